@@ -1,0 +1,59 @@
+"""The attention backend interface: what a backend can do, and the two calls the runner makes."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from encore.backends.metadata import ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    softmax_scale: float
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class AttentionBackend(abc.ABC):
+    """MLA attention over the paged latent cache with the split dispatch of DESIGN.md.
+
+    Capabilities (one flag is not enough, vLLM #25984):
+    ``supports_spec_as_decode``: decode rows with a uniform q_len_per_req > 1 (causal inside the row);
+    ``supports_nonuniform_decode``: decode rows of different lengths;
+    ``graph_modes``: the ForwardModes whose steps may be captured in a CUDA graph.
+    """
+
+    name: str
+    supports_spec_as_decode: bool
+    supports_nonuniform_decode: bool
+    graph_modes: frozenset[ForwardMode]
+
+    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
+        for i, cache in enumerate(kv_caches):
+            if cache.dim() != 3 or cache.shape[-1] != dims.latent_dim:
+                raise ValueError(f"kv cache {i} has shape {tuple(cache.shape)}; expected "
+                                 f"[num_pages, page_size, {dims.latent_dim}]")
+        self.kv_caches = kv_caches
+        self.dims = dims
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Host-side metadata for the step, prefill rows and decode rows planned separately."""
+
+    @abc.abstractmethod
+    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Writes [kv_c, k_pe] of every token into the layer's latent cache, then attends.
+
+        q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, R], k_pe [T, dr] (rope applied),
+        w_kc [H, dn, R] and w_vc [H, dv, R] (kv_b_proj split per head) -> [T, H, dv].
+        """

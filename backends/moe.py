@@ -1,0 +1,69 @@
+"""Mixture-of-experts routing and the torch reference expert computation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from encore.models.config import ModelConfig
+
+
+def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing. router_logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64).
+
+    V2: softmax scores, optionally group-limited (max score per group); weights are normalized
+    when ``norm_topk_prob`` else scaled by ``routed_scaling_factor``.
+    V3 (noaux_tc): sigmoid scores; the choice uses scores + ``e_score_correction_bias`` and groups
+    ranked by the sum of their two best; weights are the unbiased scores, optionally normalized, then
+    scaled by ``routed_scaling_factor``.
+    """
+    k = cfg.num_experts_per_tok
+    if cfg.scoring_func == "softmax":
+        scores = router_logits.softmax(dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if cfg.topk_method in ("group_limited_greedy", "noaux_tc") and cfg.n_group > 1:
+        grouped = choice.view(choice.shape[0], cfg.n_group, -1)  # [T, G, E / G]
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
+        fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
+        choice = grouped.masked_fill(~group_mask[..., None], fill).flatten(1)
+    ids = choice.topk(k, dim=-1, sorted=False).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if cfg.scoring_func == "sigmoid":
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+    if k > 1 and cfg.norm_topk_prob:
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """Reference routed-expert SwiGLU. x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H].
+
+    Loops over the experts that received tokens; simple and exact, not capturable on CUDA.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_ids = ids.flatten()  # [T * k]
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        tokens = token_of[start:start + n]
+        start += n
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        out.index_add_(0, tokens, h.float() * weights.flatten()[pairs, None])
+    return out.to(x.dtype)

@@ -1,0 +1,222 @@
+"""The public engine API: add requests, step, stream outputs; ``generate`` for batch use."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from encore.engine.config import EngineConfig
+from encore.engine.detokenizer import IncrementalDetokenizer
+from encore.engine.kv_cache import KVCacheManager
+from encore.engine.model_runner import ModelRunner
+from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from encore.engine.sampler import SamplerOutput, SamplingTensors
+from encore.engine.sampling_params import SamplingParams
+from encore.engine.scheduler import Scheduler
+from encore.engine.step import build_forward_batch
+from encore.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class Engine:
+    """An MLA model served step by step.
+
+    >>> engine = Engine(model="path/to/hf_dir", device="cpu")
+    >>> outs = engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
+    """
+
+    def __init__(self, model: str, device: str = "auto", **options) -> None:
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.config = EngineConfig(model=str(model), device=device, **options)
+        model_dir = Path(self.config.model)
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(self.config, self.model_config, wanted_len)
+        self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size)
+        capacity = self.kv.num_total_pages * self.config.page_size
+        if wanted_len > capacity:
+            log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", wanted_len, capacity)
+        self.max_model_len = min(wanted_len, capacity)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
+                                   self.config.max_num_seqs, self.config.enable_mixed_batch)
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._steps = {"EXTEND": 0, "DECODE": 0, "MIXED": 0}
+        self._preemptions = 0
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        params.check_vocab(self.model_config.vocab_size)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        req = Request(request_id, prompt_ids, params, seed, detok)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model directory has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt is empty; it must have at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens "
+                             f"(max_model_len), which leaves no room to generate")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._aborted) or self.scheduler.has_work()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(r, []) for r in self._aborted]
+        for req in self._aborted:
+            del self.requests[req.request_id]
+        self._aborted.clear()
+        step = self.scheduler.schedule()
+        self._preemptions += len(step.preempted)
+        if step.empty:
+            return outputs
+        batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
+        self._steps[batch.mode.value] += 1
+        sampling = SamplingTensors.build(
+            [r.params for r in sampled], [r.seed for r in sampled], [r.num_output_tokens for r in sampled],
+            [r.prompt_token_ids for r in sampled], [r.output_token_ids for r in sampled], self.runner.device)
+        result = self.runner.run(batch, sampling)
+        for req, n in step.extends:
+            req.num_computed += n
+        for req in step.decodes:
+            req.num_computed += step.q_len_per_req
+        outputs.extend(self._append_tokens(sampled, result))
+        return outputs
+
+    def _append_tokens(self, sampled: list[Request], result: SamplerOutput) -> list[RequestOutput]:
+        token_ids = result.token_ids.tolist()
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs = (result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist())
+        outputs = []
+        for row, (req, token) in enumerate(zip(sampled, token_ids)):
+            req.token_ids.append(token)
+            if req.params.logprobs is not None:
+                n = req.params.logprobs
+                top = list(zip(logprobs[1][row][:n], logprobs[2][row][:n]))
+                req.logprobs.append(TokenLogprob(token, logprobs[0][row], top))
+            stop_string = req.detokenizer.add([token]) if token not in self.eos_token_ids else None
+            reason = self._finish_reason(req, token, stop_string)
+            if reason is not None:
+                self.scheduler.remove(req)
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = reason
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, [token]))
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int, stop_string: str | None) -> str | None:
+        params = req.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if stop_string is not None:
+            return "stop"
+        if req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=req.detokenizer.text,
+            new_token_ids=new_tokens,
+            new_text=req.detokenizer.take_delta(req.finished),
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+        )
+
+    # ---- batch use ------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, per_prompt):
+                self.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                req = self.requests.pop(rid, None)
+                if req is not None:
+                    self.scheduler.remove(req)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return {
+            "steps": dict(self._steps),
+            "kv_pages_free": self.kv.num_free_pages,
+            "kv_pages_total": self.kv.num_total_pages,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self._preemptions,
+        }

@@ -1,0 +1,80 @@
+"""A request's life in the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from encore.engine.detokenizer import IncrementalDetokenizer
+from encore.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class Request:
+    """``token_ids`` is prompt + output; ``num_computed`` of them have their KV in the cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_sent_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Decode rows feed exactly their last sampled token; anything else is a prefill row
+        (a new prompt, a later chunk of it, or a preempted request recomputing its KV)."""
+        return self.num_output_tokens > 0 and self.num_uncomputed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step: cumulative ``token_ids``/``text`` plus this step's deltas."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None

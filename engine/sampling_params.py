@@ -1,0 +1,81 @@
+"""Per-request sampling and stopping parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters,
+    ``min_p == 0`` disables min-p. Penalties follow vLLM's definitions: ``repetition_penalty``
+    divides positive (multiplies negative) logits of every token seen in the prompt or output;
+    ``presence_penalty`` / ``frequency_penalty`` subtract from tokens seen in the output.
+    ``seed`` makes the request's tokens independent of whatever else shares its batch.
+    ``logprobs`` asks for the sampled token's logprob plus the top-``logprobs`` alternatives
+    (``None``: no logprobs); logprobs are those of the model's raw distribution.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

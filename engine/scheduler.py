@@ -1,0 +1,126 @@
+"""Picks the rows of each step under a token budget: decode rows first, then prefill chunks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from encore.engine.kv_cache import KVCacheManager
+from encore.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """Rows of one step in step-layout order: ``extends`` (request, new tokens) first, then
+    ``decodes``, each feeding ``q_len_per_req`` tokens."""
+
+    extends: list[tuple[Request, int]] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    q_len_per_req: int = 1
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.extends and not self.decodes
+
+
+class Scheduler:
+    """FCFS with chunked prefill and preemption by recompute.
+
+    Running decode rows claim the budget first; a decode row whose pages cannot be reserved
+    preempts the most recently admitted running request (its pages are freed and it goes back to
+    the front of the queue to recompute), or itself if it is the last one. The rest of the budget
+    goes to prefill chunks: unfinished prompts first, then waiting requests in arrival order
+    (a waiting request that cannot get pages blocks those behind it, so none is starved).
+    With ``mixed`` off a step is either all prefill or all decode (prefill first).
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, chunked_prefill_size: int,
+                 max_num_seqs: int, mixed: bool) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.max_num_seqs = max_num_seqs
+        self.mixed = mixed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drops a request (finished or aborted) from the queues and frees its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, q_len_per_req: int = 1) -> ScheduledStep:
+        step = ScheduledStep(q_len_per_req=q_len_per_req)
+        while True:
+            if self.mixed:
+                self._schedule_prefills(step, self._schedule_decodes(step, self.max_num_batched_tokens))
+            else:
+                self._schedule_prefills(step, self.max_num_batched_tokens)
+                if step.empty:
+                    self._schedule_decodes(step, self.max_num_batched_tokens)
+            if not step.empty or not self.running:
+                return step
+            # Partial prefills hold every page and none can grow: recompute the newest later.
+            self._preempt(self.running[-1], step)
+
+    def _schedule_decodes(self, step: ScheduledStep, budget: int) -> int:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if not req.is_decoding:
+                i += 1
+                continue
+            if budget < step.q_len_per_req:
+                break
+            while not self.kv.reserve(req.request_id, req.num_computed + step.q_len_per_req):
+                victim = self.running[-1]
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: nothing after it can get pages either
+            step.decodes.append(req)
+            budget -= step.q_len_per_req
+            i += 1
+        return budget
+
+    def _schedule_prefills(self, step: ScheduledStep, budget: int) -> None:
+        scheduled = set(id(r) for r in step.decodes)
+        for req in self.running:
+            if budget <= 0:
+                return
+            if req.is_decoding or id(req) in scheduled:
+                continue
+            n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
+            if self.kv.reserve(req.request_id, req.num_computed + n):
+                step.extends.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
+            if not self.kv.reserve(req.request_id, req.num_computed + n):
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            step.extends.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request, step: ScheduledStep) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        step.preempted.append(req)

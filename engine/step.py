@@ -1,0 +1,71 @@
+"""Builds the step layout (``ForwardBatch``) from the scheduler's rows: host lists, one copy each."""
+
+from __future__ import annotations
+
+import torch
+
+from encore.backends.metadata import ForwardBatch
+from encore.engine.kv_cache import KVCacheManager
+from encore.engine.request import Request
+from encore.engine.scheduler import ScheduledStep
+
+
+def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.device
+                        ) -> tuple[ForwardBatch, list[Request]]:
+    """Returns the batch and, per logits row, the request it samples for.
+
+    Prefill rows produce a logits row only when the chunk completes the request's pending tokens;
+    decode rows produce one per token (q_len_per_req of them).
+    """
+    page_size = kv.page_size
+    rows: list[tuple[Request, int]] = step.extends + [(r, step.q_len_per_req) for r in step.decodes]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    prefix_lens: list[int] = []
+    qo_indptr = [0]
+    tables: list[list[int]] = []
+    gather_ids: list[int] = []
+    sampled: list[Request] = []
+    for i, (req, n) in enumerate(rows):
+        start = req.num_computed
+        end = start + n
+        table = kv.table(req.request_id)
+        input_ids.extend(req.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
+        seq_lens.append(end)
+        prefix_lens.append(start)
+        qo_indptr.append(qo_indptr[-1] + n)
+        tables.append(table)
+        if i >= len(step.extends):
+            gather_ids.extend(range(qo_indptr[-2], qo_indptr[-1]))
+            sampled.extend([req] * n)
+        elif end == len(req.token_ids):
+            gather_ids.append(qo_indptr[-1] - 1)
+            sampled.append(req)
+    max_pages = max((len(t) for t in tables), default=0)
+    page_table = [t + [0] * (max_pages - len(t)) for t in tables]
+
+    def to(data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+    batch = ForwardBatch(
+        num_extends=len(step.extends),
+        q_len_per_req=step.q_len_per_req,
+        bs=len(rows),
+        num_tokens=len(input_ids),
+        page_size=page_size,
+        input_ids=to(input_ids, torch.int64),
+        positions=to(positions, torch.int64),
+        slot_mapping=to(slots, torch.int64),
+        seq_lens=to(seq_lens, torch.int32),
+        prefix_lens=to(prefix_lens, torch.int32),
+        qo_indptr=to(qo_indptr, torch.int32),
+        page_table=to(page_table, torch.int32).view(len(rows), max_pages),
+        gather_ids=to(gather_ids, torch.int64),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=prefix_lens,
+    )
+    return batch, sampled

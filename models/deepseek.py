@@ -1,0 +1,201 @@
+"""DeepSeek-V2 / V3 (and Kimi K2) as plain modules: MLA, MoE, the decoder stack and the MTP layer.
+
+The model declares architecture and parameters; the MLA math lives in the attention backend and
+the expert math in ``encore.backends.moe``. Parameter names follow the HF checkpoints, except that
+``gate_proj``/``up_proj`` are stored fused as ``gate_up_proj`` and the routed experts as stacked
+``experts.w13`` [E, 2I, H] / ``experts.w2`` [E, H, I] (see ``loader.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encore.backends.base import AttentionBackend
+from encore.backends.metadata import ForwardBatch
+from encore.backends.moe import experts_torch, select_experts
+from encore.backends.rope import RotaryEmbedding
+from encore.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        weights, ids = select_experts(router_logits, self.gate.e_score_correction_bias, self.cfg)
+        out = experts_torch(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: projections here, attention itself in the backend."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.qk_nope_head_dim = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        q_out = cfg.num_attention_heads * cfg.qk_head_dim
+        self.q_lora = cfg.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(x.shape[0], self.num_heads, -1)  # [T, H, dn + dr]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, R]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        # kv_b_proj rows are per head [k_nope (dn) | v (dv)]: W_kc [H, dn, R] and W_vc [H, dv, R] are views.
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        w_kc, w_vc = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        out = self.backend.forward(self.layer_id, q_nope, q_pe, kv_c, k_pe, w_kc, w_vc, batch)  # [T, H, dv]
+        return self.o_proj(out.flatten(1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_id, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, batch)
+        return x
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3 multi-token prediction ("nextn") layer, checkpoint layer index num_hidden_layers.
+
+    For position i it combines the target's last hidden state h_i (before the final norm) with the
+    embedding of token i + 1 and predicts token i + 2:
+    eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> decoder layer -> shared_head.
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, backend)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)], dim=-1))
+        return self.layer(x, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The target model. ``forward`` returns the last hidden state before the final norm (what the
+    MTP layer consumes); ``compute_logits`` applies norm and head to the gathered rows only."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, with_mtp: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        max_positions = max(cfg.max_position_embeddings, cfg.rope.original_max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.rope, max_positions)
+        self.model = DeepseekModel(cfg, self.rotary, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPLayer(cfg, self.rotary, backend) if with_mtp else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()  # [N, V]

@@ -1,0 +1,140 @@
+"""Loading HF safetensors checkpoints (single file or sharded) into encore's DeepSeek modules.
+
+The model is built on the meta device, materialized once in the target dtype and device, and each
+checkpoint tensor is copied straight into its parameter (or its slice of a fused / stacked one), so
+no second copy of the weights ever exists. Unknown or missing tensors are errors that name them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from encore.backends.base import AttentionBackend
+from encore.models.config import ModelConfig
+from encore.models.deepseek import DeepseekForCausalLM
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(mlp|mlp\.shared_experts)\.(gate_proj|up_proj)\.weight$")
+_MTP_ONLY = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+             "shared_head.norm.weight", "shared_head.head.weight")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}")
+
+
+def has_mtp_weights(model_dir: str | Path, cfg: ModelConfig) -> bool:
+    prefix = f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"
+    return any(prefix in _names(f) for f in checkpoint_files(Path(model_dir)))
+
+
+def _names(path: Path) -> list[str]:
+    with safe_open(path, "pt") as f:
+        return list(f.keys())
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
+               dtype: torch.dtype, with_mtp: bool = False) -> DeepseekForCausalLM:
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, backend, with_mtp=with_mtp)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary.init_buffers()
+    params = dict(model.named_parameters())
+    pending = {name: _pieces(name, p, cfg) for name, p in params.items()}
+    unknown = []
+    for ckpt_name, tensor in _tensors(checkpoint_files(Path(model_dir))):
+        target = _target(ckpt_name, cfg, with_mtp)
+        if target is None:
+            continue
+        name, index = target
+        if name not in params:
+            unknown.append(ckpt_name)
+            continue
+        dest = params[name].data if index is None else params[name].data[index]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}; "
+                             f"encore expects {tuple(dest.shape)} for {name}")
+        dest.copy_(tensor)
+        pending[name] -= 1
+    if unknown:
+        hint = " (fp8 block-quantized checkpoints are not supported)" if any("scale" in u for u in unknown) else ""
+        raise ValueError(f"unknown tensors in checkpoint {str(model_dir)!r}{hint}: {sorted(unknown)[:20]}")
+    missing = sorted(n for n, left in pending.items() if left > 0)
+    if missing == ["lm_head.weight"] and cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = []
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint {str(model_dir)!r}: {missing[:20]}")
+    return model.eval()
+
+
+def _pieces(name: str, param: torch.Tensor, cfg: ModelConfig) -> int:
+    """How many checkpoint tensors fill this parameter."""
+    if name.endswith("experts.w13"):
+        return 2 * param.shape[0]
+    if name.endswith("experts.w2"):
+        return param.shape[0]
+    if name.endswith("gate_up_proj.weight"):
+        return 2
+    return 1
+
+
+def _target(ckpt_name: str, cfg: ModelConfig, with_mtp: bool) -> tuple[str, object] | None:
+    """Maps a checkpoint name to (encore parameter name, index into it or None); None skips it."""
+    if _IGNORED.search(ckpt_name):
+        return None
+    m = _LAYER.match(ckpt_name)
+    if m is None:
+        return ckpt_name, None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer < cfg.num_hidden_layers:
+        prefix = f"model.layers.{layer}."
+    elif layer < cfg.num_hidden_layers + max(cfg.num_nextn_predict_layers, 1):
+        if not with_mtp or layer > cfg.num_hidden_layers:
+            return None  # MTP weights are loaded only when asked for; encore uses the first nextn layer
+        if rest in _MTP_ONLY:
+            return f"mtp.{rest}", None
+        prefix = "mtp.layer."
+    else:
+        return ckpt_name, None
+    expert = _EXPERT.match(rest)
+    if expert:
+        e, proj = int(expert.group(1)), expert.group(2)
+        if proj == "down_proj":
+            return f"{prefix}mlp.experts.w2", e
+        half = cfg.moe_intermediate_size
+        return f"{prefix}mlp.experts.w13", (e, slice(0, half) if proj == "gate_proj" else slice(half, 2 * half))
+    fused = _FUSED.match(rest)
+    if fused:
+        module, proj = fused.group(1), fused.group(2)
+        size = cfg.intermediate_size if module == "mlp" else cfg.moe_intermediate_size * cfg.n_shared_experts
+        return f"{prefix}{module}.gate_up_proj.weight", slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+    return prefix + rest, None
