@@ -24,7 +24,8 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Request:
-    """``token_ids`` is prompt + output; ``num_computed`` of them have their KV in the cache."""
+    """``token_ids`` is prompt + output; ``num_computed`` of them have their KV in the cache.
+    ``draft_token_ids`` are speculative tokens proposed for the next verify step (not yet output)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,8 +37,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    num_sent_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

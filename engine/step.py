@@ -15,7 +15,8 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     """Returns the batch and, per logits row, the request it samples for.
 
     Prefill rows produce a logits row only when the chunk completes the request's pending tokens;
-    decode rows produce one per token (q_len_per_req of them).
+    decode rows feed their last token plus ``q_len_per_req - 1`` draft tokens and produce a logits
+    row per token.
     """
     page_size = kv.page_size
     rows: list[tuple[Request, int]] = step.extends + [(r, step.q_len_per_req) for r in step.decodes]
@@ -32,7 +33,14 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
         start = req.num_computed
         end = start + n
         table = kv.table(req.request_id)
-        input_ids.extend(req.token_ids[start:end])
+        if i < len(step.extends):
+            input_ids.extend(req.token_ids[start:end])
+        else:
+            fed = req.token_ids[start:start + 1] + req.draft_token_ids[:n - 1]
+            if len(fed) != n:
+                raise ValueError(f"decode row {req.request_id!r} has {len(fed) - 1} draft tokens; "
+                                 f"q_len_per_req {n} needs {n - 1}")
+            input_ids.extend(fed)
         positions.extend(range(start, end))
         slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
         seq_lens.append(end)

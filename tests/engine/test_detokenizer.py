@@ -1,0 +1,75 @@
+"""Incremental detokenization and stop strings across token boundaries, with a real BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from checkpoints import TOKENIZER_TEXT
+from encore.engine import Engine, SamplingParams
+from encore.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(v3_dir):
+    return AutoTokenizer.from_pretrained(v3_dir)
+
+
+def stream(tokenizer, ids, stop=()):
+    detok = IncrementalDetokenizer(tokenizer, [], stop)
+    pieces, hit = [], None
+    for t in ids:
+        hit = detok.add([t])
+        pieces.append(detok.take_delta(hit is not None))
+        if hit:
+            break
+    if hit is None:
+        pieces.append(detok.take_delta(True))
+    return "".join(pieces), hit, detok
+
+
+def test_incremental_text_equals_full_decode_including_multibyte_characters(tokenizer):
+    text = "Ünïcödé — 日本語 text, emoji 🙂. def fibonacci(n):"
+    ids = tokenizer.encode(text)
+    # Byte-level BPE splits the multi-byte characters over several tokens.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    streamed, _, _ = stream(tokenizer, ids)
+    assert streamed == tokenizer.decode(ids) == text
+
+
+def test_stop_string_spanning_tokens_truncates_and_is_never_streamed(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tokenizer.encode(text)
+    stop = "fox jum"
+    pieces_seen = []
+    detok = IncrementalDetokenizer(tokenizer, [], (stop,))
+    for t in ids:
+        hit = detok.add([t])
+        pieces_seen.append(detok.take_delta(hit is not None))
+        if hit:
+            break
+    assert hit == stop
+    assert "".join(pieces_seen) == "The quick brown "
+    assert not any("fox" in p for p in pieces_seen)
+
+
+def test_engine_stop_strings_and_stop_token_ids(v3_dir, tokenizer):
+    engine = Engine(str(v3_dir), device="cpu", page_size=4)
+    free = engine.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                 ignore_eos=True))[0]
+    assert len(free.token_ids) == 16
+    # Stop on a string taken from the middle of the free-running text: it must end exactly before it.
+    cut = free.text[3:7]
+    assert cut
+    stopped = engine.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                    ignore_eos=True, stop=[cut]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[:free.text.index(cut)]
+    token = free.token_ids[5]
+    by_id = engine.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                  stop_token_ids=[token]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
+
+
+def test_corpus_round_trip(tokenizer):
+    sample = TOKENIZER_TEXT[:300]
+    assert stream(tokenizer, tokenizer.encode(sample))[0] == sample

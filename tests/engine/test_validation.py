@@ -1,0 +1,88 @@
+"""Bad input gets a ValueError naming the field and the allowed range; nothing else is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from encore.engine import Engine, SamplingParams
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -0.1, "temperature must be >= 0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("top_k", -1, "top_k must be an integer >= 0"),
+    ("min_p", 2.0, r"min_p must be in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\]"),
+    ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\]"),
+    ("seed", -1, "seed must be an integer"),
+    ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
+    ("stop", [""], "stop must be non-empty strings"),
+])
+def test_sampling_params_reject_out_of_range_values(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def engine(v3_dir):
+    return Engine(str(v3_dir), device="cpu", page_size=4, max_model_len=64)
+
+
+def test_bad_requests_are_rejected_and_others_keep_running(engine):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("good", [5, 6, 7], params)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 320\)"):
+        engine.add_request("bad-ids", [5, 320], params)
+    with pytest.raises(ValueError, match=r"prompt has 64 tokens; the context is 64"):
+        engine.add_request("too-long", [5] * 64, params)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("empty", [], params)
+    with pytest.raises(ValueError, match=r"stop_token_ids \[999\] are outside"):
+        engine.add_request("bad-stop", [5], SamplingParams(stop_token_ids=[999]))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [5], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    assert outs[-1].token_ids == engine.generate([[5, 6, 7]], params)[0].token_ids
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_generate_with_one_bad_prompt_leaves_nothing_behind(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, 6], [400]], SamplingParams(max_tokens=2))
+    assert not engine.requests and not engine.has_unfinished_requests()
+
+
+def test_abort_frees_pages_and_reports_abort(engine):
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(2, 30)), params)
+    engine.add_request("b", [4, 5], params)
+    engine.step()
+    engine.step()
+    engine.abort("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].finish_reason == "abort"
+    engine.abort("b")
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_generation_stops_at_the_context_length(engine):
+    out = engine.generate([list(range(2, 60))], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 58
+
+
+def test_unknown_engine_options_and_bad_values_are_named(v3_dir):
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1"):
+        Engine(str(v3_dir), device="cpu", page_size=0)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        Engine(str(v3_dir), device="cpu", attention_backend="nope")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Engine(str(v3_dir / "missing"), device="cpu")
