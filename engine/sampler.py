@@ -24,8 +24,8 @@ from residual distributions (``sample_from_probs``) separately.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +204,7 @@ def _filtered_probs(penalized: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     k = t.top_k.long()  # [N]
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
-    in_top_k = sorted_x > kth  # [N, V] ties with the k-th logit are kept
+    in_top_k = sorted_x >= kth  # [N, V] ties with the k-th logit are kept
 
     sorted_probs = torch.softmax(sorted_x.masked_fill(~in_top_k, float("-inf")), dim=-1)  # [N, V]
     mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [N, V] exclusive, monotone

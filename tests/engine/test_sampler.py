@@ -21,7 +21,7 @@ from encore.engine.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 
 
-def _build(params, logits_rows=None, *, seeds=None, counters=None, prompts=None, outputs=None,
+def _build(params, *, seeds=None, counters=None, prompts=None, outputs=None,
            device=CPU) -> SamplingTensors:
     n = len(params)
     return SamplingTensors.build(
@@ -220,6 +220,11 @@ def test_top_p_prefix_and_ties():
     _assert_probs(row, SamplingParams(top_p=0.95), np.array([0.5, 0.2, 0.2, 0.1]))
 
 
+def test_top_p_boundary_is_reached_not_exceeded():
+    row = [0.0, -1e-10, -40.0]  # float32 probabilities exactly [0.5, 0.5, ~0] with no tie
+    _assert_probs(row, SamplingParams(top_p=0.5), np.array([1.0, 0, 0]))
+
+
 def test_top_p_one_keeps_tiny_tail():
     row = [0.0, -30.0, -float("inf")]  # the tail is below float32 rounding of the cumulative mass
     got = processed_probs(torch.tensor([row]), _build([SamplingParams(top_p=1.0)]))[0]
@@ -261,7 +266,10 @@ def test_seeded_tokens_ignore_batch_composition_and_order():
     order = [3, 0, 4, 2, 1]
     extra = torch.randn(3, vocab, generator=gen)
     mixed_logits = torch.cat([extra[:1], logits[order], extra[1:]])
-    pick = lambda xs, fill: [fill[0]] + [xs[i] for i in order] + fill[1:]  # noqa: E731
+
+    def pick(rows: list, fill: list) -> list:  # extra row, the permuted rows, two extra rows
+        return [fill[0]] + [rows[i] for i in order] + fill[1:]
+
     mixed = Sampler()(mixed_logits, _build(
         pick(params, [SamplingParams(), SamplingParams(top_k=4), SamplingParams(repetition_penalty=0.5)]),
         seeds=pick(seeds, [7, 8, 9]), counters=pick(counters, [1, 2, 3]),
@@ -349,6 +357,33 @@ def test_seeded_uniform_decorrelated():
     assert abs(_corr(u, seeded_uniform(seeds, counters, 1000, salt=1))) < bound  # other salt
 
 
+def _ref_mix32(h: int, s1: int, m1: int, s2: int, m2: int, s3: int) -> int:
+    h ^= h >> s1
+    h = (h * m1) & 0xFFFFFFFF
+    h ^= h >> s2
+    h = (h * m2) & 0xFFFFFFFF
+    return h ^ (h >> s3)
+
+
+def _ref_uniform(seed: int, counter: int, column: int, salt: int) -> float:
+    """The documented hash with Python integers: two keyed rounds of murmur3 / lowbias32."""
+    murmur3, lowbias32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16), (16, 0x7FEB352D, 15, 0x846CA68B, 16)
+    key1, key2 = 0x243F6A88, 0x13198A2E
+    for word in (seed & 0xFFFFFFFF, seed >> 32, counter & 0xFFFFFFFF, counter >> 32, salt):
+        key1, key2 = _ref_mix32(key1 ^ word, *murmur3), _ref_mix32(key2 ^ word, *lowbias32)
+    h = _ref_mix32(_ref_mix32(column ^ key1, *lowbias32) ^ key2, *murmur3)
+    return ((h >> 9) * 2 + 1) / 2**24
+
+
+def test_seeded_uniform_matches_python_hash():
+    seeds = [0, 1, 2**32 + 1, 2**63 - 1, 123456789012345]
+    counters = [0, 5, 2**32, 1, 2**40 + 3]
+    for salt in (0, 3):
+        u = seeded_uniform(torch.tensor(seeds), torch.tensor(counters), 40, salt=salt)
+        want = [[_ref_uniform(s, c, j, salt) for j in range(40)] for s, c in zip(seeds, counters)]
+        assert u.tolist() == want
+
+
 def test_seeded_uniform_depends_only_on_own_row():
     seeds = torch.tensor([3, 3 + 2**32, 2**62 + 5, 3], dtype=torch.int64)
     counters = torch.tensor([0, 0, 2**33, 1], dtype=torch.int64)
@@ -358,6 +393,8 @@ def test_seeded_uniform_depends_only_on_own_row():
     assert torch.equal(u[[3, 1]], seeded_uniform(seeds[[3, 1]], counters[[3, 1]], 64, salt=7))
     # high bits of seed and counter matter
     assert len({tuple(row.tolist()) for row in u}) == 4
+    high = seeded_uniform(torch.tensor([3, 3]), torch.tensor([1, 1 + 2**32]), 64)
+    assert not torch.equal(high[0], high[1])
 
 
 # ---- logprobs ----
