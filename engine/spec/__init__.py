@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters and the acceptance rules of the verify step."""

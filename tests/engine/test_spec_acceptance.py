@@ -1,0 +1,93 @@
+"""Acceptance rules: greedy prefix + bonus, stochastic rejection sampling preserves p."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from encore.engine.spec.acceptance import verify
+from encore.engine.spec.ngram import NgramDrafter
+
+
+def one_hot(ids: list[list[int]], vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
+
+
+def test_greedy_accepts_longest_matching_prefix_then_the_target_token():
+    vocab = 10
+    target = one_hot([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]], vocab)  # argmax per position
+    drafts = torch.tensor([[1, 2, 3], [1, 9, 3], [0, 2, 3], [5, 6, 7]])
+    seeds, counters = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    v = verify(target, drafts, None, seeds, counters)
+    assert v.num_accepted.tolist() == [3, 1, 0, 3]
+    emitted = [v.tokens[b, :n + 1].tolist() for b, n in enumerate(v.num_accepted.tolist())]
+    assert emitted == [[1, 2, 3, 4], [1, 2], [1], [5, 6, 7, 8]]
+
+
+def test_greedy_with_one_hot_draft_distributions_matches_deterministic_drafts():
+    vocab = 6
+    target = one_hot([[2, 3, 4]], vocab)
+    drafts = torch.tensor([[2, 5]])
+    a = verify(target, drafts, None, torch.tensor([7]), torch.tensor([3]))
+    b = verify(target, drafts, one_hot([[2, 5]], vocab), torch.tensor([7]), torch.tensor([3]))
+    assert a.num_accepted.tolist() == b.num_accepted.tolist() == [1]
+    assert a.tokens[0, :2].tolist() == b.tokens[0, :2].tolist() == [2, 3]
+
+
+def _first_token_frequencies(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, n: int) -> torch.Tensor:
+    """Frequencies of the first emitted token over n seeds for a single position k = 1."""
+    target = p.expand(n, -1, -1)
+    seeds = torch.arange(n)
+    counters = torch.zeros(n, dtype=torch.int64)
+    v = verify(target, drafts, None if q is None else q.expand(n, -1, -1), seeds, counters)
+    first = v.tokens[:, 0]
+    return torch.bincount(first, minlength=p.shape[-1]).float() / n
+
+
+def test_stochastic_acceptance_preserves_the_target_distribution():
+    torch.manual_seed(0)
+    vocab, n = 5, 40000
+    p = torch.tensor([[[0.1, 0.4, 0.2, 0.25, 0.05], [0.2] * 5]])  # [1, k + 1, V]
+    q = torch.tensor([[[0.3, 0.1, 0.3, 0.2, 0.1]]])  # [1, k, V]
+    # A stochastic drafter's draft is a draw from q; here seeded per row so the test is reproducible.
+    drafts = torch.multinomial(q[0, 0], n, replacement=True, generator=torch.Generator().manual_seed(1))[:, None]
+    freq = _first_token_frequencies(p, q, drafts, n)
+    # Each frequency is a binomial mean: allow 5 standard deviations.
+    bound = 5 * torch.sqrt(p[0, 0] * (1 - p[0, 0]) / n)
+    assert ((freq - p[0, 0]).abs() <= bound).all(), (freq, p[0, 0])
+    # A deterministic draft (q one-hot) also preserves p.
+    freq_det = _first_token_frequencies(p, None, torch.full((n, 1), 1), n)
+    assert ((freq_det - p[0, 0]).abs() <= bound).all(), (freq_det, p[0, 0])
+
+
+def test_wrong_residual_would_be_detected():
+    """The bound above is tight enough to catch a sampler that ignores the residual."""
+    p = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
+    n = 40000
+    wrong = torch.tensor([0.3, 0.1, 0.3, 0.2, 0.1])  # what emitting the draft unconditionally gives
+    bound = 5 * torch.sqrt(p * (1 - p) / n)
+    assert ((wrong - p).abs() > bound).any()
+    assert math.isfinite(bound.sum().item())
+
+
+def test_rows_accept_independently_and_depend_only_on_their_seed():
+    vocab = 8
+    torch.manual_seed(3)
+    p = torch.softmax(torch.randn(3, 4, vocab), dim=-1)
+    drafts = torch.randint(0, vocab, (3, 3))
+    seeds, counters = torch.tensor([11, 22, 33]), torch.tensor([0, 5, 9])
+    full = verify(p, drafts, None, seeds, counters)
+    for b in range(3):
+        alone = verify(p[b:b + 1], drafts[b:b + 1], None, seeds[b:b + 1], counters[b:b + 1])
+        assert alone.num_accepted.item() == full.num_accepted[b].item()
+        n = alone.num_accepted.item()
+        assert alone.tokens[0, :n + 1].tolist() == full.tokens[b, :n + 1].tolist()
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():
+    d = NgramDrafter(3, min_n=1, max_n=3)
+    assert d.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
+    assert d.propose([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the latest occurrence wins
+    assert d.propose([1, 2, 3]) == [3, 3, 3]  # no match: padded with the last token
+    assert d.propose([4, 4]) == [4, 4, 4]
