@@ -1,0 +1,139 @@
+"""Structured output with xgrammar: parse on submit, compile off the engine loop, masks per step.
+
+A request's grammar is parsed when it is added (cheap; an invalid schema, regex or grammar is a
+ValueError carrying xgrammar's message) and compiled against the tokenizer on a worker thread
+(slow for big schemas; cached by source), so a slow grammar never stalls the engine loop: the
+request simply waits until its grammar is ready. Each constrained request owns one
+``GrammarMatcher``. Mask rows follow the step's logits-row order exactly; unconstrained rows are
+all-allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+_KINDS = ("json_schema", "regex", "ebnf", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: str  # one of _KINDS
+    source: str  # schema JSON, regex or EBNF text ("" for json_object)
+
+    def parse(self) -> xgr.Grammar:
+        try:
+            if self.kind == "json_schema":
+                return xgr.Grammar.from_json_schema(self.source)
+            if self.kind == "regex":
+                return xgr.Grammar.from_regex(self.source)
+            if self.kind == "ebnf":
+                return xgr.Grammar.from_ebnf(self.source)
+            return xgr.Grammar.builtin_json_grammar()
+        except RuntimeError as e:
+            raise ValueError(f"invalid {self.kind}: {_strip_location(str(e))}") from None
+
+
+def grammar_spec(json_schema: str | dict | None, regex: str | None, ebnf: str | None,
+                 json_object: bool) -> GrammarSpec | None:
+    """The one structured-output constraint of a request, or None; more than one is an error."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf))
+             if value is not None}
+    if json_object:
+        given["json_object"] = ""
+    if len(given) > 1:
+        raise ValueError(f"at most one of {_KINDS} may be set, got {sorted(given)}")
+    if not given:
+        return None
+    kind, value = next(iter(given.items()))
+    if kind == "json_schema" and isinstance(value, dict):
+        value = json.dumps(value, sort_keys=True)
+    if kind != "json_object" and (not isinstance(value, str) or not value.strip()):
+        raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+    return GrammarSpec(kind, value)
+
+
+def _strip_location(message: str) -> str:
+    """xgrammar prefixes '[time] file.cc:line: '; keep what it says about the input."""
+    head, sep, tail = message.partition(": ")
+    return tail.strip() if sep and ".cc:" in head else message.strip()
+
+
+class GrammarCompilerPool:
+    """Compiles parsed grammars on worker threads; an LRU of futures shares identical sources."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2,
+                 cache_size: int = 256) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        self.vocab_size = vocab_size
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encore-grammar")
+        self.cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self.cache_size = cache_size
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        grammar = spec.parse()  # raises ValueError now, on the caller's thread
+        future = self.cache.get(spec)
+        if future is None:
+            future = self.pool.submit(self.compiler.compile_grammar, grammar)
+            self.cache[spec] = future
+            if len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(spec)
+        return future
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One constrained request: its compiled grammar (once ready) and matcher."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    def ready(self) -> bool:
+        if self.matcher is None and self.future.done():
+            self.matcher = xgr.GrammarMatcher(self.future.result())
+        return self.matcher is not None
+
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> int:
+        """Fills rows ``row .. row + len(drafts)``: the mask before each draft, accepting it in
+        turn, then rolls back. A draft the grammar rejects ends the walk: rows after it are left
+        all-allowed (verification stops at the rejected draft, so they are never used). Returns
+        the number of drafts the grammar accepted."""
+        matcher = self.matcher
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            matcher.fill_next_token_bitmask(bitmask, row + i)
+            if i == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[i]):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return accepted
+
+    def accept(self, tokens: list[int]) -> bool:
+        """Advances over emitted tokens; True when the grammar has terminated."""
+        for t in tokens:
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(t):
+                raise RuntimeError(f"token {t} was sampled against the grammar mask")
+        return self.matcher.is_terminated()
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / 32)] int32, all bits set (every token allowed)."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets disallowed tokens' logits to -inf in place (bitmask already on logits' device)."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
