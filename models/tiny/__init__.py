@@ -1,1 +1,1 @@
-"""encore-tiny: a ~9M-parameter DeepSeek-V3 (MLA + MoE + MTP) trained on the Python stdlib, rebuilt by `train.py`."""
+"""encore-tiny: a 5.9M-parameter DeepSeek-V3 (MLA, MoE, MTP) trained on the Python stdlib by `train.py`."""

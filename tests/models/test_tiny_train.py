@@ -9,11 +9,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3ForCausalLM
 
 from encore.models.tiny.balance import ExpertBiasBalancer
-from encore.models.tiny.checkpoint import MTP_ONLY_TENSORS
+from encore.models.tiny.checkpoint import MTP_ONLY_TENSORS, bf16_main_model, save_checkpoint
 from encore.models.tiny.config import TinyModelConfig
 from encore.models.tiny.corpus import EXCLUDED_DIRS, WindowSampler, split_heldout, stdlib_sources
 from encore.models.tiny.mtp import DeepseekV3WithMTP
-from encore.models.tiny.train import PROMPTS, TrainConfig, lr_at, make_optimizer, parse_args, run
+from encore.models.tiny.train import PROMPTS, TIMING_TO, TrainConfig, lr_at, make_optimizer, parse_args, run, train
 
 # Every architectural feature of the real config (MLA with q_lora, grouped sigmoid MoE, YaRN, MTP), at toy size.
 TOY = TinyModelConfig(
@@ -46,7 +46,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("encore-tiny")
     cfg = TrainConfig(
         out=out, device="cpu", steps=3, seq_len=32, batch_size=2, warmup_steps=1, corpus_mb=0.3,
-        heldout_every=4, eval_windows=2, log_every=1, max_new_tokens=4,
+        heldout_every=4, eval_windows=2, eval_every=2, log_every=1, max_new_tokens=4,
     )
     return out, run(cfg, TOY)
 
@@ -61,12 +61,14 @@ def test_run_reports_and_reloads_identically(trained: tuple[Path, dict]) -> None
     assert report["steps"] == 3 and report["train_tokens"] == 3 * 2 * 32
     assert set(report["completions"]) == set(PROMPTS)
     assert report["heldout"]["perplexity"] > 1
+    assert [point["step"] for point in report["heldout_curve"]] == [2]
     # from_pretrained loads everything but the MTP layer, which it reports as unexpected, and matches greedily.
+    # 22 = 7 attention + 7 MoE (experts fused by transformers' loader into 2) + 2 layer norms + 6 MTP-only.
     assert report["reload"] == {
         "same_greedy_tokens": True,
         "missing_keys": [],
         "unexpected_keys_are_the_mtp_layer": True,
-        "unexpected_key_count": report["reload"]["unexpected_key_count"],
+        "unexpected_key_count": 22,
     }
 
 
@@ -126,11 +128,29 @@ def test_mtp_layer_loads_through_transformers_as_a_decoder_layer(trained: tuple[
     model = DeepseekV3ForCausalLM.from_pretrained(out, config=config, dtype=torch.bfloat16)
     layer, mtp = model.model.layers[TOY.num_hidden_layers], f"model.layers.{TOY.num_hidden_layers}."
     with safe_open(out / "model.safetensors", "pt") as f:
-        gate = torch.stack([f.get_tensor(f"{mtp}mlp.experts.{x}.gate_proj.weight") for x in range(TOY.n_routed_experts)])
-        up = torch.stack([f.get_tensor(f"{mtp}mlp.experts.{x}.up_proj.weight") for x in range(TOY.n_routed_experts)])
+        experts = range(TOY.n_routed_experts)
+        gate = torch.stack([f.get_tensor(f"{mtp}mlp.experts.{x}.gate_proj.weight") for x in experts])
+        up = torch.stack([f.get_tensor(f"{mtp}mlp.experts.{x}.up_proj.weight") for x in experts])
+        down = torch.stack([f.get_tensor(f"{mtp}mlp.experts.{x}.down_proj.weight") for x in experts])
         assert torch.equal(layer.mlp.experts.gate_up_proj, torch.cat([gate, up], dim=1))
+        assert torch.equal(layer.mlp.experts.down_proj, down)
         assert torch.equal(layer.self_attn.kv_b_proj.weight, f.get_tensor(mtp + "self_attn.kv_b_proj.weight"))
-        assert torch.equal(layer.mlp.gate.e_score_correction_bias, f.get_tensor(mtp + "mlp.gate.e_score_correction_bias"))
+        bias = f.get_tensor(mtp + "mlp.gate.e_score_correction_bias")
+        assert torch.equal(layer.mlp.gate.e_score_correction_bias, bias)
+
+
+def test_shipped_model_is_numerically_what_from_pretrained_builds(tmp_path: Path) -> None:
+    """The in-memory bf16 model the completions come from keeps fp32 buffers (RoPE frequencies, router biases)
+    exactly as `from_pretrained(dtype=bf16)` does, so their logits agree bit for bit."""
+    model = toy_model()
+    shipped = bf16_main_model(model)
+    save_checkpoint(model, shipped, tmp_path)
+    loaded = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert {n: b.dtype for n, b in shipped.named_buffers()} == {n: b.dtype for n, b in loaded.named_buffers()}
+    assert {b.dtype for n, b in shipped.named_buffers()} == {torch.float32}
+    tokens = torch.randint(3, TOY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(shipped(tokens).logits, loaded(tokens).logits)
 
 
 def test_tokenizer_round_trips_python_source(trained: tuple[Path, dict]) -> None:
@@ -156,6 +176,18 @@ def test_loss_decreases_on_a_repeated_batch() -> None:
         optimizer.step()
     (main_first, mtp_first), (main_last, mtp_last) = losses[0], losses[-1]
     assert main_last < 0.8 * main_first and mtp_last < 0.8 * mtp_first
+
+
+def test_minutes_bound_the_loop_and_size_the_schedule() -> None:
+    stream = torch.randint(3, TOY.vocab_size, (2000,), generator=torch.Generator().manual_seed(4))
+    cfg = TrainConfig(
+        out=Path("unused"), device="cpu", minutes=0.05, seq_len=16, batch_size=2, warmup_steps=2, eval_every=0,
+        log_every=1000,
+    )
+    info = train(toy_model(), stream, stream, cfg)
+    # Either the timed schedule ran to its end, or the 3 s budget cut it short (a loaded machine).
+    assert info["planned_steps"] is None or info["planned_steps"] >= TIMING_TO
+    assert info["steps"] == info["planned_steps"] or info["train_seconds"] >= 3.0
 
 
 def test_mtp_is_causal_and_reads_the_next_token() -> None:
