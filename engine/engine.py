@@ -36,19 +36,26 @@ class Engine:
 
     >>> engine = Engine(model="path/to/hf_dir", device="cpu")
     >>> outs = engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))
+
+    ``model=None`` serves the embedded encore-tiny checkpoint.
     """
 
-    def __init__(self, model: str, device: str = "auto", **options) -> None:
+    def __init__(self, model: str | None = None, device: str = "auto", **options) -> None:
         if device == "auto":
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if model is None:
+            from encore.models.tiny import default_model_dir
+
+            model = default_model_dir()
         self.config = EngineConfig(model=str(model), device=device, **options)
         model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(self.config, self.model_config, wanted_len)
+        self.runner.prepare_graphs()  # compile (and capture) every graph key before the first step
         self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size)
         capacity = self.kv.num_total_pages * self.config.page_size
         if wanted_len > capacity:
@@ -219,4 +226,5 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self._preemptions,
+            **self.runner.graph_stats(),
         }
