@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from encore.engine.request import Request
+
 
 class NgramDrafter:
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4) -> None:
@@ -14,9 +16,12 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: list[int]) -> list[int]:
+    def propose(self, req: Request) -> list[int]:
         """Exactly k draft tokens (uniform verify rows need k); where the lookup finds fewer,
         the rest repeat the last proposed token and are simply rejected if wrong."""
+        return self.lookup(req.token_ids)
+
+    def lookup(self, token_ids: list[int]) -> list[int]:
         tokens = np.asarray(token_ids, dtype=np.int64)
         draft: list[int] = []
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):

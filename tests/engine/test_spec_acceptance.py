@@ -87,7 +87,7 @@ def test_rows_accept_independently_and_depend_only_on_their_seed():
 
 def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():
     d = NgramDrafter(3, min_n=1, max_n=3)
-    assert d.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
-    assert d.propose([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the latest occurrence wins
-    assert d.propose([1, 2, 3]) == [3, 3, 3]  # no match: padded with the last token
-    assert d.propose([4, 4]) == [4, 4, 4]
+    assert d.lookup([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
+    assert d.lookup([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the latest occurrence wins
+    assert d.lookup([1, 2, 3]) == [3, 3, 3]  # no match: padded with the last token
+    assert d.lookup([4, 4]) == [4, 4, 4]
