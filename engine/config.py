@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from encore.engine.spec.config import SpecConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch")
+_GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
+                "graph_prefill_tokens", "graph_extend_sizes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +23,26 @@ class EngineConfig:
     the KV cache when ``num_kv_pages`` is None; on CPU the pool is sized to hold ``max_num_seqs``
     full-length sequences, capped by ``cpu_kv_cache_bytes``.
     ``enable_mixed_batch``: False runs prefill-only and decode-only steps (a baseline).
+
+    Compiled graphs (graphs/, DESIGN.md "Compiled graphs"):
+    ``compile``: run steps through torch.compile with encore's passes, one graph per graph key;
+    ``cuda_graphs``: capture each key's step in a CUDA graph and replay it. None (the default) means
+    on for CUDA, off for the CPU (where ``compile=True`` still works, on Inductor's CPU backend).
+    Every key is compiled (and captured) when the engine starts; a step that fits no key runs eager.
+    The keys, ``GraphKey(num_extends, q_len_per_req, bs, num_tokens)``:
+    DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (add 1 + k for speculative
+    verify). Powers of two up to 64: padding wastes under half a step, and beyond 64 rows a decode
+    step is long enough that launch overhead, which graphs remove, matters little.
+    MIXED: ``graph_mixed_extends`` prefill rows whose tokens pad up to a ``graph_prefill_tokens``
+    bucket, plus ``graph_mixed_decode_sizes`` decode rows. Small buckets on purpose: they catch the
+    steady state of a short prompt (or a prompt's last chunk) riding along running decodes; a step
+    with a long chunk is dominated by its prefill GEMMs and runs eager at little cost.
+    EXTEND: ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
+    An empty size tuple makes no keys of that kind.
+    Keys with more tokens than ``max_num_batched_tokens`` or rows than ``max_num_seqs`` are dropped.
+    ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
+    ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist
+    (None: ``$XDG_CACHE_HOME/encore/graphs``, or ``~/.cache/encore/graphs``).
     """
 
     model: str
@@ -35,8 +59,20 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 2 << 30
     enable_mixed_batch: bool = True
     seed: int = 0
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    graph_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    graph_q_lens: tuple[int, ...] = (1,)
+    graph_mixed_extends: tuple[int, ...] = (1,)
+    graph_mixed_decode_sizes: tuple[int, ...] = (4, 16, 64)
+    graph_prefill_tokens: tuple[int, ...] = (128, 512)
+    graph_extend_sizes: tuple[int, ...] = (1,)
+    graph_cache_dir: str | None = None
+    speculative: SpecConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", SpecConfig.from_dict(self.speculative))
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in _DTYPES:
@@ -53,3 +89,25 @@ class EngineConfig:
             raise ValueError(f"num_kv_pages must be >= 2 (page 0 is reserved), got {self.num_kv_pages!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        for name in ("compile", "cuda_graphs"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None (device default), got {getattr(self, name)!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
+        for name in _GRAPH_SIZES:
+            value = getattr(self, name)
+            if (not isinstance(value, (tuple, list))
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+                raise ValueError(f"{name} must be a sequence of integers >= 1 (empty: no keys of that kind), "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, tuple(sorted(set(value))))  # normalized once, never changed after
+        if not self.graph_q_lens:
+            raise ValueError("graph_q_lens must name at least one decode q_len (1 for plain decode), got ()")
+
+    @property
+    def use_compile(self) -> bool:
+        return self.compile if self.compile is not None else self.device.startswith("cuda")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.cuda_graphs if self.cuda_graphs is not None else self.device.startswith("cuda")

@@ -14,9 +14,10 @@ from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelRunner
 from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from encore.engine.sampler import SamplerOutput, SamplingTensors
+from encore.engine.sampler import SamplingTensors
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.scheduler import Scheduler
+from encore.engine.spec.speculator import RowResult, Speculator
 from encore.engine.step import build_forward_batch
 from encore.models.config import ModelConfig
 
@@ -64,6 +65,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
                                    self.config.max_num_seqs, self.config.enable_mixed_batch)
         self.eos_token_ids = self._eos_ids(model_dir)
+        spec = self.config.speculative
+        self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._rng = random.Random(self.config.seed)
@@ -117,6 +120,8 @@ class Engine:
         if req is None or req.finished:
             return
         self.scheduler.remove(req)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self._aborted.append(req)
@@ -131,44 +136,72 @@ class Engine:
         for req in self._aborted:
             del self.requests[req.request_id]
         self._aborted.clear()
-        step = self.scheduler.schedule()
+        spec = self.speculator
+        step = self.scheduler.schedule(spec.q_len if spec else 1, spec.lookahead if spec else 0)
         self._preemptions += len(step.preempted)
         if step.empty:
             return outputs
+        if spec is not None:
+            spec.prepare(step)
         batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
         self._steps[batch.mode.value] += 1
+        results = spec.run(step, batch, sampled) if spec is not None else self._sample(batch, sampled)
+        for req, n in step.extends:
+            req.num_computed += n
+        for res in results[len(results) - len(step.decodes):]:
+            res.request.num_computed += 1 + (res.num_accepted or 0)
+        outputs.extend(self._commit(results))
+        return outputs
+
+    def _sample(self, batch, sampled: list[Request]) -> list[RowResult]:
         sampling = SamplingTensors.build(
             [r.params for r in sampled], [r.seed for r in sampled], [r.num_output_tokens for r in sampled],
             [r.prompt_token_ids for r in sampled], [r.output_token_ids for r in sampled], self.runner.device)
         result = self.runner.run(batch, sampling)
-        for req, n in step.extends:
-            req.num_computed += n
-        for req in step.decodes:
-            req.num_computed += step.q_len_per_req
-        outputs.extend(self._append_tokens(sampled, result))
-        return outputs
-
-    def _append_tokens(self, sampled: list[Request], result: SamplerOutput) -> list[RequestOutput]:
         token_ids = result.token_ids.tolist()
         logprobs = None
         if result.logprobs is not None:
             logprobs = (result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist())
-        outputs = []
+        results = []
         for row, (req, token) in enumerate(zip(sampled, token_ids)):
-            req.token_ids.append(token)
+            lp = None
             if req.params.logprobs is not None:
                 n = req.params.logprobs
-                top = list(zip(logprobs[1][row][:n], logprobs[2][row][:n]))
-                req.logprobs.append(TokenLogprob(token, logprobs[0][row], top))
-            stop_string = req.detokenizer.add([token]) if token not in self.eos_token_ids else None
-            reason = self._finish_reason(req, token, stop_string)
-            if reason is not None:
-                self.scheduler.remove(req)
-                req.status = RequestStatus.FINISHED
-                req.finish_reason = reason
-                del self.requests[req.request_id]
-            outputs.append(self._output(req, [token]))
+                lp = [TokenLogprob(token, logprobs[0][row], list(zip(logprobs[1][row][:n], logprobs[2][row][:n])))]
+            results.append(RowResult(req, [token], lp, None))
+        return results
+
+    def _commit(self, results: list[RowResult]) -> list[RequestOutput]:
+        """Appends each row's emitted tokens in order, stopping at the first that finishes it."""
+        outputs = []
+        for res in results:
+            req = res.request
+            if res.num_accepted is not None:
+                req.num_drafted += len(req.draft_token_ids)
+                req.num_accepted += res.num_accepted
+            new: list[int] = []
+            for i, token in enumerate(res.tokens):
+                req.token_ids.append(token)
+                new.append(token)
+                if res.logprobs is not None:
+                    req.logprobs.append(res.logprobs[i])
+                stop_string = req.detokenizer.add([token]) if token not in self.eos_token_ids else None
+                reason = self._finish_reason(req, token, stop_string)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
+            if not req.finished and res.num_accepted is not None:
+                self.kv.trim(req.request_id, len(req.token_ids))  # pages past the accepted length
+            outputs.append(self._output(req, new))
         return outputs
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
 
     def _finish_reason(self, req: Request, token: int, stop_string: str | None) -> str | None:
         params = req.params
@@ -191,6 +224,8 @@ class Engine:
             finished=req.finished,
             finish_reason=req.finish_reason,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
+            num_draft_tokens=req.num_drafted,
+            num_accepted_tokens=req.num_accepted,
         )
 
     # ---- batch use ------------------------------------------------------------------------
@@ -227,4 +262,5 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self._preemptions,
             **self.runner.graph_stats(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

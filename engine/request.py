@@ -38,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -79,3 +81,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
+    num_draft_tokens: int = 0  # speculative tokens drafted for this request so far
+    num_accepted_tokens: int = 0  # of which the target accepted

@@ -44,6 +44,7 @@ class Scheduler:
         self.mixed = mixed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.lookahead = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -59,8 +60,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, q_len_per_req: int = 1) -> ScheduledStep:
+    def schedule(self, q_len_per_req: int = 1, lookahead: int = 0) -> ScheduledStep:
+        """``lookahead``: cache slots a model drafter writes past the tokens a row feeds (draft
+        steps 2..k), reserved with them for decode rows and for prefill rows that complete."""
         step = ScheduledStep(q_len_per_req=q_len_per_req)
+        self.lookahead = lookahead
         while True:
             if self.mixed:
                 self._schedule_prefills(step, self._schedule_decodes(step, self.max_num_batched_tokens))
@@ -82,7 +86,7 @@ class Scheduler:
                 continue
             if budget < step.q_len_per_req:
                 break
-            while not self.kv.reserve(req.request_id, req.num_computed + step.q_len_per_req):
+            while not self.kv.reserve(req.request_id, req.num_computed + step.q_len_per_req + self.lookahead):
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is req:
@@ -102,19 +106,23 @@ class Scheduler:
             if req.is_decoding or id(req) in scheduled:
                 continue
             n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
-            if self.kv.reserve(req.request_id, req.num_computed + n):
+            if self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 step.extends.append((req, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
-            if not self.kv.reserve(req.request_id, req.num_computed + n):
+            if not self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 return
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.extends.append((req, n))
             budget -= n
+
+    def _prefill_slots(self, req: Request, n: int) -> int:
+        completes = n == req.num_uncomputed
+        return req.num_computed + n + (self.lookahead if completes else 0)
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)

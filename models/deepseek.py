@@ -14,7 +14,7 @@ from torch import nn
 
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
-from encore.backends.moe import experts_torch, select_experts
+from encore.backends.moe import select_experts
 from encore.backends.rope import RotaryEmbedding
 from encore.models.config import ModelConfig
 
@@ -71,7 +71,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         weights, ids = select_experts(router_logits, self.gate.e_score_correction_bias, self.cfg)
-        out = experts_torch(x, self.experts.w13, self.experts.w2, weights, ids)
+        # An op: the expert computation has host-dependent shapes that no compiled graph may trace.
+        out = torch.ops.encore.routed_experts(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -145,7 +146,7 @@ class DeepseekModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(x, positions, batch)
-        return x
+        return self.norm(x)
 
 
 class SharedHead(nn.Module):
@@ -158,9 +159,10 @@ class SharedHead(nn.Module):
 class MTPLayer(nn.Module):
     """DeepSeek-V3 multi-token prediction ("nextn") layer, checkpoint layer index num_hidden_layers.
 
-    For position i it combines the target's last hidden state h_i (before the final norm) with the
-    embedding of token i + 1 and predicts token i + 2:
-    eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> decoder layer -> shared_head.
+    For position i it combines the target's last hidden state h_i (after the final norm, as vLLM,
+    SGLang and transformers feed it) with the embedding of token i + 1 and predicts token i + 2:
+    eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> decoder layer -> shared_head.norm -> head.
+    ``forward`` returns the normed state, which is also what a further draft step feeds back in.
     """
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
@@ -175,15 +177,15 @@ class MTPLayer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)], dim=-1))
-        return self.layer(x, positions, batch)
+        return self.shared_head.norm(self.layer(x, positions, batch))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+        return self.shared_head.head(hidden).float()
 
 
 class DeepseekForCausalLM(nn.Module):
-    """The target model. ``forward`` returns the last hidden state before the final norm (what the
-    MTP layer consumes); ``compute_logits`` applies norm and head to the gathered rows only."""
+    """The target model. ``forward`` returns the final-normed hidden state of every token (what the
+    MTP layer consumes); ``compute_logits`` applies the head to the gathered rows only."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, with_mtp: bool = False) -> None:
         super().__init__()
@@ -198,4 +200,4 @@ class DeepseekForCausalLM(nn.Module):
         return self.model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()  # [N, V]
+        return self.lm_head(hidden).float()  # [N, V]

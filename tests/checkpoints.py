@@ -33,22 +33,24 @@ TOKENIZER_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    retur
                   "The quick brown fox jumps over the lazy dog. Ünïcödé — 日本語 text, emoji 🙂.\n") * 20
 
 
-def write_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+def write_checkpoint(kind: str, path: Path, seed: int = 0, overrides: dict | None = None) -> Path:
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                               DeepseekV3ForCausalLM)
 
     family, extra = KINDS[kind]
+    fields = {**_COMMON, **extra, **(overrides or {})}
     torch.manual_seed(seed)
     if family == "v2":
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**_COMMON, **extra))
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**fields))
     else:
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**_COMMON, **extra))
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
         with torch.no_grad():  # HF initializes the correction bias to zero: make it matter
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.copy_(torch.randn_like(buf) * 0.1)
     model.save_pretrained(path)
-    write_tokenizer(path)
+    if fields["vocab_size"] >= VOCAB:
+        write_tokenizer(path)
     return path
 
 
@@ -63,3 +65,32 @@ def write_tokenizer(path: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TOKENIZER_TEXT], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>").save_pretrained(path)
+
+
+def write_mtp_checkpoint(path: Path, vocab: int = VOCAB, seed: int = 0) -> Path:
+    """A V3-style checkpoint with an MTP (nextn) layer under DeepSeek-V3's tensor names.
+
+    transformers writes no MTP layer, so one more decoder layer is saved and renamed into the
+    nextn layer, and its own tensors (enorm, hnorm, eh_proj, embedding, shared head) are added.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    layers = _COMMON["num_hidden_layers"]
+    write_checkpoint("v3", path, seed, overrides={"num_hidden_layers": layers + 1, "vocab_size": vocab})
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = _COMMON["hidden_size"]
+    mtp = f"model.layers.{layers}."
+    tensors[mtp + "enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    tensors[mtp + "hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    tensors[mtp + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

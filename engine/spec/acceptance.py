@@ -57,7 +57,7 @@ def verify(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.
     fallback = target_probs[torch.arange(rows, device=drafts.device), num_accepted]
     at = torch.where(at.sum(dim=-1, keepdim=True) > 0, at, fallback)
     extra = sample_from_probs(at, seeds, counters + num_accepted, SAMPLE_SALT)  # [B]
-    tokens = torch.cat([drafts, drafts[:, :1]], dim=1)  # [B, k + 1]
+    tokens = torch.cat([drafts, extra[:, None]], dim=1)  # [B, k + 1]
     tokens = torch.where(positions[None, :] == num_accepted[:, None], extra[:, None], tokens)
     return Verdict(num_accepted, tokens)
 
