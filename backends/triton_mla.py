@@ -1,0 +1,377 @@
+"""encore's own Triton kernels for MLA: the absorbed decode over the paged latent cache, and the ragged
+causal prefill of the MHA branch. Pure functions of explicit tensors; a backend plans their arguments.
+
+``mla_decode`` (flash-decoding over the 576-wide latent cache). MLA has one KV head shared by every
+query head, so a program takes BLOCK_M (query position, head) pairs of one row — all q_len positions
+times a block of heads, flattened as ``i * H + h`` — as the M of its dots, and reads each KV tile
+once for all of them: scores = q_lat·kvᵀ + q_pe·k_peᵀ, then acc += p·kv[:, :R] from the same tile
+(K is the whole entry, V its first R columns). The keys of a row are cut into ``num_kv_splits``
+equal ranges (computed in the kernel from ``seq_lens``, so the grid depends on static shapes only and
+the launch can be captured in a CUDA graph); each split writes its normalized partial output and
+log-sum-exp to a float32 workspace and a second kernel merges them. A split or query that sees no
+key contributes nothing (its output is 0), so splits past a short row's end are harmless. With one
+split the first kernel writes ``out`` directly.
+
+    grid (cdiv(q_len·H, BLOCK_M), B, num_kv_splits)  then  merge grid (B·q_len, H)
+
+``mla_prefill`` (FlashAttention-2 forward, ragged, causal with a cached prefix). A program handles
+BLOCK_M queries of one row and one head. Programs are numbered over the rows' query tiles in order;
+each finds its row with a prefix sum over the per-row tile counts, so the grid, cdiv(Tq, BLOCK_M) +
+rows per head, depends only on static sizes (no host read of ``qo_indptr``) and wastes no programs
+on short rows. Head dims that are not a power of two (192 = 128 + 64) are split into two dots.
+A kernel rather than flex_attention: flex needs a BlockMask rebuilt from the indptrs every step and
+kept in static buffers for capture, where this kernel takes the indptrs themselves as arguments.
+
+Both accumulate in float32 with the exp2 form of the online softmax. Inputs are float32, float16 or
+bfloat16 (float32 dots run in IEEE precision, not TF32, so they can match a float32 reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_KV_SPLITS = 64
+# A split shorter than this costs more in its fixed work (the query load, the merge) than it saves.
+MIN_KEYS_PER_SPLIT = 128
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Tile sizes and launch options of one kernel (block_m: queries per program, block_n: keys per
+    iteration); powers of two of at least 16, as ``tl.dot`` needs."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value}: must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps}: must be 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages}: must be >= 1")
+
+
+def default_decode_config(q_len: int, num_heads: int) -> KernelConfig:
+    """16 (position, head) pairs per program when a row has no more, else 32. With R = 512 and eight
+    warps the float32 [block_m, R] accumulator and the loop-invariant query stay in registers (ptxas
+    for sm_90: ~100 registers at 16 x 32, ~128 at 32 x 16, no spills; four warps spill, block_m 64 needs
+    ~255 and so one program per SM); three stages keep two KV tiles in flight while one is used."""
+    if q_len * num_heads <= 16:
+        return KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=3)
+    return KernelConfig(block_m=32, block_n=16, num_warps=8, num_stages=3)
+
+
+# Hopper: wgmma tiles of 128 queries x 64 keys (D = 192 as 128 + 64), ~190 registers, no spills.
+DEFAULT_PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the Triton interpreter has no SMs; 8 keeps split-KV exercised on the CPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_kv_splits(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
+                         block_m: int) -> int:
+    """Splits per row so that a decode grid smaller than the GPU fills it about twice, each split keeping
+    at least MIN_KEYS_PER_SPLIT keys of a ``max_seq_len`` row; a grid that fills the GPU is not split.
+    Host-side: ``max_seq_len`` is a bound the caller knows without reading the device (e.g. the page
+    table's width times the page size)."""
+    programs = batch * triton.cdiv(q_len * num_heads, block_m)
+    by_occupancy = 1 if programs >= num_sms else triton.cdiv(2 * num_sms, programs)
+    by_length = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        _check(t.stride(-1) == 1, f"{name} has stride {tuple(t.stride())}; its last dim must be contiguous")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    _check(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
+
+
+@triton.jit
+def _decode_split_kernel(
+        Q, QPE, KV, PAGE_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, qk_scale,
+        stride_qt, stride_qh, stride_pet, stride_peh, stride_kvp, stride_kvs, stride_ptb, stride_ot, stride_oh,
+        num_splits, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+    # Head blocks vary fastest in the launch order, so the programs that read the same KV tiles run
+    # together and all but the first find them in L2.
+    pair = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat (position i, head h) = i * H + h
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    pair_ok = pair < Q_LEN * NUM_HEADS
+    qi = pair // NUM_HEADS
+    head = pair % NUM_HEADS
+    tok = (b * Q_LEN + qi).to(tl.int64)  # [M] token index into q / out
+    seq_len = tl.load(SEQ_LENS + b)
+    query_pos = seq_len - Q_LEN + qi  # [M] query i sees keys 0..query_pos
+
+    # Equal key ranges per split, rounded to whole tiles; later splits of a short row may be empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_DR)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + r[None, :],
+                mask=pair_ok[:, None] & (r[None, :] < R), other=0.0)  # [M, R]
+    q_pe = tl.load(QPE + tok[:, None] * stride_pet + head[:, None] * stride_peh + d[None, :],
+                   mask=pair_ok[:, None] & (d[None, :] < DR), other=0.0)  # [M, DR]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
+        n_ok = n < end
+        page = tl.load(PAGE_TABLE + b * stride_ptb + n // PAGE_SIZE, mask=n_ok, other=0)
+        entry = KV + page.to(tl.int64) * stride_kvp + (n % PAGE_SIZE) * stride_kvs  # [N] latent entries
+        kv = tl.load(entry[:, None] + r[None, :], mask=n_ok[:, None] & (r[None, :] < R), other=0.0)  # [N, R]
+        k_pe = tl.load(entry[:, None] + R + d[None, :], mask=n_ok[:, None] & (d[None, :] < DR), other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        s = tl.where(n_ok[None, :] & (n[None, :] <= query_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A query with no visible key yet keeps m = -inf; subtracting 0 instead keeps exp2 free of NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)  # [M, R]
+        m_i = m_new
+
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    r_ok = pair_ok[:, None] & (r[None, :] < R)
+    if DIRECT:
+        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + r[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=r_ok)
+    else:
+        part = (tok * NUM_HEADS + head) * num_splits + split  # [M] row of the [T, H, S] workspace
+        tl.store(PART_O + part[:, None] * R + r[None, :], acc, mask=r_ok)
+        tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=pair_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits,
+                         NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (tok * NUM_HEADS + head) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(PART_LSE + base + s, mask=s < num_splits, other=float("-inf"))  # [S], log2 units
+    lse_max = tl.max(lse, 0)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse - lse_ref), 0)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for i in range(num_splits):
+        weight = tl.exp2(tl.load(PART_LSE + base + i) - lse_ref)  # 0 for an empty split
+        acc += weight * tl.load(PART_O + (base + i) * R + r, mask=r < R, other=0.0)
+    acc = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(OUT + tok * stride_ot + head * stride_oh + r, acc.to(OUT.dtype.element_ty), mask=r < R)
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, q_len: int, softmax_scale: float, out: torch.Tensor, *,
+               num_kv_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA decode of B rows of ``q_len`` tokens each over the paged latent cache.
+
+    q_lat [B·q_len, H, R] (q_nope·W_kc), q_pe [B·q_len, H, Dr], kv_cache [pages, page_size, R + Dr],
+    page_table [B, max_pages] int32, seq_lens [B] int32 (KV length after this step, the q_len new
+    tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc).
+    Query i of row b sits at position seq_lens[b] - q_len + i and sees keys 0..that position; the
+    caller guarantees seq_lens[b] <= max_pages·page_size. ``num_kv_splits`` None: chosen from the SM
+    count and the page table's capacity (static, so a captured graph stays valid for any seq_lens).
+    """
+    _check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
+    tokens, heads, rank = q_lat.shape
+    _check(q_len >= 1 and tokens % q_len == 0, f"q_len={q_len} does not divide the {tokens} query tokens")
+    batch = tokens // q_len
+    _check(q_lat.dtype in _DTYPES, f"q_lat dtype {q_lat.dtype} not in {_DTYPES}")
+    _check(q_pe.dtype == q_lat.dtype == kv_cache.dtype == out.dtype,
+           f"dtypes differ: q_lat {q_lat.dtype}, q_pe {q_pe.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
+    _check(q_pe.dim() == 3 and q_pe.shape[:2] == (tokens, heads),
+           f"q_pe {tuple(q_pe.shape)}: expected [{tokens}, {heads}, Dr] like q_lat {tuple(q_lat.shape)}")
+    rope = q_pe.shape[2]
+    _check(kv_cache.dim() == 3 and kv_cache.shape[2] == rank + rope,
+           f"kv_cache {tuple(kv_cache.shape)}: expected [pages, page_size, {rank} + {rope}]")
+    _check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
+    _check(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
+           f"page_table {tuple(page_table.shape)} {page_table.dtype}: expected [{batch}, max_pages] int32")
+    _check(page_table.stride(1) == 1, f"page_table stride {page_table.stride()}: rows must be contiguous")
+    _check(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+           f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}: expected contiguous [{batch}] int32")
+    _check_last_dim_contiguous(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, out=out)
+    _check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
+    page_size = kv_cache.shape[1]
+    config = config or default_decode_config(q_len, heads)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(batch, heads, q_len, page_table.shape[1] * page_size,
+                                             _num_sms(q_lat.device), config.block_m)
+    _check(1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits={num_kv_splits}: allowed 1..{MAX_KV_SPLITS}")
+    if tokens == 0:
+        return out
+
+    direct = num_kv_splits == 1
+    if direct:  # the split kernel writes out itself; the workspace arguments are never read
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(tokens, heads, num_kv_splits, rank, dtype=torch.float32, device=out.device)
+        part_lse = torch.empty(tokens, heads, num_kv_splits, dtype=torch.float32, device=out.device)
+    block_r = max(16, triton.next_power_of_2(rank))
+    grid = (triton.cdiv(q_len * heads, config.block_m), batch, num_kv_splits)
+    _decode_split_kernel[grid](
+        q_lat, q_pe, kv_cache, page_table, seq_lens, out, part_o, part_lse, softmax_scale * math.log2(math.e),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1), num_kv_splits,
+        NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, BLOCK_R=block_r,
+        BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    if not direct:
+        _decode_merge_kernel[(tokens, heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
+            BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_kv_splits), num_warps=4)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+        Q, K, V, OUT, QO_INDPTR, KV_INDPTR, PREFIX_LENS, qk_scale, num_rows,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    # Which row's query tile is this program's: tiles are numbered row after row.
+    rows = tl.arange(0, BLOCK_ROWS)
+    in_batch = rows < num_rows
+    row_tiles = tl.cdiv(tl.load(QO_INDPTR + rows + 1, mask=in_batch, other=0)
+                        - tl.load(QO_INDPTR + rows, mask=in_batch, other=0), BLOCK_M)  # [ROWS]
+    tiles_through = tl.cumsum(row_tiles, 0)
+    row = tl.sum((tiles_through <= tile).to(tl.int32))
+    if row >= num_rows:  # the grid is an upper bound on the tile count
+        return
+    m_tile = tile - tl.sum(tl.where(rows == row, tiles_through - row_tiles, 0))
+
+    q_start = tl.load(QO_INDPTR + row)
+    q_count = tl.load(QO_INDPTR + row + 1) - q_start
+    kv_start = tl.load(KV_INDPTR + row)
+    kv_len = tl.load(KV_INDPTR + row + 1) - kv_start
+    prefix = tl.load(PREFIX_LENS + row)
+    j = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] query index within the row
+    j_ok = j < q_count
+    query_pos = prefix + j
+    q_tok = (q_start + j).to(tl.int64)
+
+    da = tl.arange(0, D_A)
+    db = tl.arange(0, BLOCK_DB)
+    dv = tl.arange(0, BLOCK_DV)
+    q_row = Q + q_tok[:, None] * stride_qt + head * stride_qh
+    q_a = tl.load(q_row + da[None, :], mask=j_ok[:, None], other=0.0)  # [M, D_A]
+    if D_B > 0:
+        q_b = tl.load(q_row + D_A + db[None, :], mask=j_ok[:, None] & (db[None, :] < D_B), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Keys past the tile's last query position are invisible to the whole tile: stop there.
+    end = tl.minimum(kv_len, prefix + tl.minimum((m_tile + 1) * BLOCK_M, q_count))
+    for n0 in range(0, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kv_tok = (kv_start + n).to(tl.int64)
+        k_row = K + kv_tok[:, None] * stride_kt + head * stride_kh
+        k_a = tl.load(k_row + da[None, :], mask=n_ok[:, None], other=0.0)  # [N, D_A]
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
+        if D_B > 0:
+            k_b = tl.load(k_row + D_A + db[None, :], mask=n_ok[:, None] & (db[None, :] < D_B), other=0.0)
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
+        s = s * qk_scale  # [M, N], log2 units
+        s = tl.where(n_ok[None, :] & (n[None, :] <= query_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep exp2 NaN-free
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)  # [N, DV]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(OUT + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :], acc.to(OUT.dtype.element_ty),
+             mask=j_ok[:, None] & (dv[None, :] < DV))
+
+
+def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+                kv_indptr: torch.Tensor, prefix_lens: torch.Tensor, softmax_scale: float, out: torch.Tensor, *,
+                config: KernelConfig = DEFAULT_PREFILL_CONFIG) -> torch.Tensor:
+    """Ragged causal MHA with a cached prefix, for the prefill rows' decompressed K/V.
+
+    q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]; row b owns queries qo_indptr[b]:qo_indptr[b+1] and keys
+    kv_indptr[b]:kv_indptr[b+1] (its prefix, then its new tokens); query j of row b sits at position
+    prefix_lens[b] + j and sees the row's keys 0..that position -> out [Tq, H, Dv]. Index tensors are
+    int32; queries no row owns are left untouched. The caller guarantees qo_indptr[-1] <= Tq and
+    kv_indptr[-1] <= Tk (checking would read the device).
+    """
+    _check(q.dim() == 3, f"q {tuple(q.shape)}: expected [Tq, H, D]")
+    tokens, heads, dim = q.shape
+    rows = prefix_lens.shape[0]
+    _check(q.dtype in _DTYPES, f"q dtype {q.dtype} not in {_DTYPES}")
+    _check(k.dtype == v.dtype == q.dtype == out.dtype,
+           f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
+    _check(k.dim() == 3 and k.shape[1:] == (heads, dim), f"k {tuple(k.shape)}: expected [Tk, {heads}, {dim}]")
+    _check(v.dim() == 3 and v.shape[:2] == k.shape[:2], f"v {tuple(v.shape)}: expected [{k.shape[0]}, {heads}, Dv]")
+    _check(out.shape == (tokens, heads, v.shape[2]),
+           f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {v.shape[2]}]")
+    for name, t, size in (("qo_indptr", qo_indptr, rows + 1), ("kv_indptr", kv_indptr, rows + 1),
+                          ("prefix_lens", prefix_lens, rows)):
+        _check(t.shape == (size,) and t.dtype == torch.int32 and t.is_contiguous(),
+               f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous [{size}] int32")
+    _check(dim >= 16, f"head dim {dim}: must be >= 16")
+    _check_last_dim_contiguous(q=q, k=k, v=v, out=out)
+    _check_same_device(q=q, k=k, v=v, qo_indptr=qo_indptr, kv_indptr=kv_indptr, prefix_lens=prefix_lens, out=out)
+    if tokens == 0 or rows == 0:
+        return out
+
+    d_a = 1 << (dim.bit_length() - 1)  # the largest power of two in D; the rest is a second dot
+    d_b = dim - d_a
+    grid = (triton.cdiv(tokens, config.block_m) + rows, heads)
+    _prefill_kernel[grid](
+        q, k, v, out, qo_indptr, kv_indptr, prefix_lens, softmax_scale * math.log2(math.e), rows,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D_A=d_a, D_B=d_b, BLOCK_DB=max(16, triton.next_power_of_2(d_b)), DV=v.shape[2],
+        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[2])), BLOCK_ROWS=max(16, triton.next_power_of_2(rows)),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out

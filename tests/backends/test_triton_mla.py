@@ -1,0 +1,313 @@
+"""encore's Triton MLA kernels against float32 torch references.
+
+Without CUDA the kernels run in Triton's interpreter (numpy on CPU tensors). TRITON_INTERPRET must be
+set before triton is first imported (triton's own library functions are decorated then); it only
+changes how Triton kernels launch, and a CPU-only process cannot launch compiled ones anyway, so
+leaving it set for the rest of the session harms no other test. If another module imported triton
+first (torch._inductor does), this process cannot switch: the CPU tests here skip and
+``test_cpu_tests_in_child_process`` runs this module again in a child process that sets it.
+The interpreter's bfloat16 tl.dot is wrong in triton 3.9 (it multiplies the raw bits), so CPU tests
+use float32 and float16; bfloat16 is covered by the GPU tests (``-m gpu``), which use the real sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
+            and os.environ.get("TRITON_INTERPRET") != "1")
+if not torch.cuda.is_available() and not TOO_LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from encore.backends.triton_mla import (  # noqa: E402
+    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, mla_decode, mla_prefill)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+in_process = pytest.mark.skipif(TOO_LATE, reason="triton was imported before the interpreter was enabled; "
+                                "test_cpu_tests_in_child_process runs these")
+
+
+# ---------------------------------------------------------------- references (float32, one row at a time)
+
+def decode_reference(q_lat, q_pe, kv_cache, page_table, seq_lens, q_len, scale):
+    """[B·q, H, R]: each query attends to its row's keys 0..position, read page by page."""
+    rank = q_lat.shape[-1]
+    out = torch.zeros(q_lat.shape, dtype=torch.float32, device=q_lat.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        keys = kv_cache[page_table[b].long()].flatten(0, 1)[:length].float()  # [L, R + Dr]
+        for i in range(q_len):
+            t = b * q_len + i
+            visible = keys[:length - q_len + i + 1]
+            if visible.shape[0] == 0:
+                continue
+            q = torch.cat([q_lat[t], q_pe[t]], dim=-1).float()  # [H, R + Dr]
+            out[t] = torch.softmax(q @ visible.T * scale, dim=-1) @ visible[:, :rank]
+    return out
+
+
+def prefill_reference(q, k, v, qo_indptr, kv_indptr, prefix_lens, scale):
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    for b in range(prefix_lens.shape[0]):
+        q0, q1 = qo_indptr[b].item(), qo_indptr[b + 1].item()
+        k0, k1 = kv_indptr[b].item(), kv_indptr[b + 1].item()
+        if q1 == q0:
+            continue
+        query_pos = prefix_lens[b].item() + torch.arange(q1 - q0, device=q.device)
+        mask = torch.arange(k1 - k0, device=q.device)[None, :] <= query_pos[:, None]  # [n, S]
+        qh, kh, vh = (t.float().transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))  # [H, *, D]
+        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+def max_rel_error(out, ref):
+    """Largest per-token relative Frobenius error (a row that is all zero counts absolute error)."""
+    diff = (out.float() - ref).flatten(1).norm(dim=1)
+    return (diff / ref.flatten(1).norm(dim=1).clamp_min(1.0)).max().item()
+
+
+# ---------------------------------------------------------------- inputs
+
+def make_decode(seq_lens, q_len, heads, rank, rope, page_size, dtype, spare_pages=2, seed=0):
+    """Random queries and a paged cache whose pages are shuffled; every cache slot no row owns (the
+    rest of a row's last page, unused pages, the page table's spare columns) is NaN, so a kernel that
+    reads past a row's end fails the comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    pages_per_row = [-(-n // page_size) for n in seq_lens]
+    max_pages = max(pages_per_row) + spare_pages
+    num_pages = sum(pages_per_row) + 1  # the last page is the NaN page the spare columns point to
+    cache = torch.full((num_pages, page_size, rank + rope), float("nan"))
+    order = torch.randperm(num_pages - 1, generator=gen).tolist()
+    page_table = torch.full((batch, max_pages), num_pages - 1, dtype=torch.int32)
+    for b, length in enumerate(seq_lens):
+        owned = [order.pop() for _ in range(pages_per_row[b])]
+        page_table[b, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        flat = cache[owned].flatten(0, 1)  # [pages·page_size, R + Dr] (a copy: written back below)
+        flat[:length] = torch.randn(length, rank + rope, generator=gen)
+        cache[owned] = flat.view(len(owned), page_size, rank + rope)
+    # q_lat and q_pe are views of one packed query, as a fused projection produces them.
+    packed = torch.randn(batch * q_len, heads, rank + rope, generator=gen)
+    to = dict(device=DEVICE, dtype=dtype)
+    packed, cache = packed.to(**to), cache.to(**to)
+    return (packed[..., :rank], packed[..., rank:], cache, page_table.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+
+
+def indptr(counts):
+    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def make_prefill(rows, heads, dim, dim_v, dtype, seed=0):
+    """rows: (prefix length, new tokens) per row; K/V hold each row's prefix and new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    new = [n for _, n in rows]
+    kv_lens = [p + n for p, n in rows]
+    to = dict(device=DEVICE, dtype=dtype)
+    q = torch.randn(sum(new), heads, dim, generator=gen).to(**to)
+    k = torch.randn(sum(kv_lens), heads, dim, generator=gen).to(**to)
+    v = torch.randn(sum(kv_lens), heads, dim_v, generator=gen).to(**to)
+    meta = [indptr(new), indptr(kv_lens), torch.tensor([p for p, _ in rows], dtype=torch.int32)]
+    return (q, k, v, *(t.to(DEVICE) for t in meta))
+
+
+# ---------------------------------------------------------------- decode (CPU: interpreter)
+
+@in_process
+@pytest.mark.parametrize("num_kv_splits", [1, 3, None])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+def test_decode_matches_reference(q_len, page_size, num_kv_splits, config=None):
+    # seq_len == q_len: the whole context is this step's tokens, and with 3 splits two are empty.
+    seq_lens = [q_len, q_len + 5, 37, 70]
+    heads, rank, rope, scale = 6, 32, 16, 0.3
+    q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, heads, rank, rope, page_size, torch.float32)
+    out = torch.full(q_lat.shape, float("nan"), device=DEVICE)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, out, num_kv_splits=num_kv_splits, config=config)
+    ref = decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale)
+    assert max_rel_error(out, ref) < 1e-5
+
+
+@in_process
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_small_tiles_several_head_blocks(q_len, num_kv_splits):
+    # 16 (position, head) pairs per program: 6 heads x 3 positions spill into a second, partial block.
+    test_decode_matches_reference(q_len, 4, num_kv_splits, config=SMALL)
+
+
+@in_process
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_float16_and_strided_out(num_kv_splits):
+    q_len, heads, rank, rope, scale = 2, 16, 64, 16, 0.125
+    q_lat, q_pe, cache, page_table, lens = make_decode([3, 50, 130], q_len, heads, rank, rope, 16, torch.float16)
+    wide = torch.zeros(q_lat.shape[0], heads, rank + 8, dtype=torch.float16, device=DEVICE)
+    out = wide[..., :rank]  # a strided output (rows rank + 8 apart)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, out, num_kv_splits=num_kv_splits)
+    ref = decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale)
+    assert max_rel_error(out, ref) < 2e-3
+    assert (wide[..., rank:] == 0).all()
+
+
+@in_process
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_decode_query_without_keys_writes_zeros(num_kv_splits):
+    q_lat, q_pe, cache, page_table, lens = make_decode([0, 9], 1, 4, 32, 16, 4, torch.float32)
+    out = torch.full(q_lat.shape, float("nan"), device=DEVICE)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, 1, 0.2, out, num_kv_splits=num_kv_splits)
+    assert (out[0] == 0).all()
+    assert max_rel_error(out, decode_reference(q_lat, q_pe, cache, page_table, lens, 1, 0.2)) < 1e-5
+
+
+def test_choose_num_kv_splits():
+    # Many rows fill the GPU without splitting; one long row splits up to the cap; a short one by length.
+    assert choose_num_kv_splits(batch=256, num_heads=16, q_len=1, max_seq_len=8192, num_sms=132, block_m=16) == 1
+    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=65536, num_sms=132,
+                                block_m=16) == MAX_KV_SPLITS
+    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, block_m=16) == 3
+    assert choose_num_kv_splits(batch=8, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=64) == 33
+
+
+@in_process
+def test_decode_rejects_bad_inputs():
+    q_lat, q_pe, cache, page_table, lens = make_decode([5, 9], 1, 4, 32, 16, 4, torch.float32)
+    out = torch.empty_like(q_lat)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_decode(q_lat, q_pe, cache, page_table, lens.long(), 1, 0.2, out)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_decode(q_lat, q_pe, cache[..., :40], page_table, lens, 1, 0.2, out)
+    with pytest.raises(ValueError, match="q_len=3"):
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 3, 0.2, out)
+    with pytest.raises(ValueError, match="num_kv_splits=65"):
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, 0.2, out, num_kv_splits=65)
+    with pytest.raises(ValueError, match="block_n=24"):
+        KernelConfig(block_m=16, block_n=24, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------- prefill (CPU: interpreter)
+
+@in_process
+@pytest.mark.parametrize("config", [SMALL, KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)],
+                         ids=["m16", "m32"])
+@pytest.mark.parametrize("dims", [(24, 20), (32, 16)], ids=["d24-dv20", "d32-dv16"])
+@pytest.mark.parametrize("rows", [
+    [(0, 7), (0, 1), (0, 40)],  # no prefix
+    [(0, 7), (5, 1), (17, 20), (9, 0), (3, 33)],  # prefixes, a row with no new tokens, several tiles
+], ids=["no-prefix", "prefix"])
+def test_prefill_matches_reference(rows, dims, config):
+    dim, dim_v = dims
+    q, k, v, qo, kv, prefix = make_prefill(rows, 3, dim, dim_v, torch.float32)
+    out = torch.full((q.shape[0] + 2, 3, dim_v), 7.0, device=DEVICE)  # two tokens no row owns
+    mla_prefill(q, k, v, qo, kv, prefix, 0.25, out[:q.shape[0]], config=config)
+    ref = prefill_reference(q, k, v, qo, kv, prefix, 0.25)
+    assert max_rel_error(out[:q.shape[0]], ref) < 1e-5
+    assert (out[q.shape[0]:] == 7.0).all()
+
+
+@in_process
+def test_prefill_float16():
+    q, k, v, qo, kv, prefix = make_prefill([(4, 9), (30, 17)], 2, 48, 32, torch.float16)
+    out = torch.empty(q.shape[0], 2, 32, dtype=torch.float16, device=DEVICE)
+    mla_prefill(q, k, v, qo, kv, prefix, 48 ** -0.5, out, config=SMALL)
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 48 ** -0.5)) < 2e-3
+
+
+@in_process
+def test_prefill_rejects_bad_inputs():
+    q, k, v, qo, kv, prefix = make_prefill([(0, 4)], 2, 32, 16, torch.float32)
+    out = torch.empty(4, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        mla_prefill(q, k, v, qo.long(), kv, prefix, 0.2, out)
+    with pytest.raises(ValueError, match="out"):
+        mla_prefill(q, k, v, qo, kv, prefix, 0.2, out[..., :8])
+
+
+@pytest.mark.skipif(not TOO_LATE, reason="the CPU tests ran in this process")
+def test_cpu_tests_in_child_process():
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- GPU: real sizes, CUDA graphs
+
+BF16_TOL = 1e-2  # per-token relative error with bf16 inputs (p is rounded to bf16 for the PV dot); expect ~3e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_kv_splits", [1, None])
+def test_decode_real_sizes_gpu(heads, q_len, page_size, dtype, num_kv_splits):
+    seq_lens = [q_len, 1000, 4099, 16384 + 77]
+    q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, heads, 512, 64, page_size, dtype)
+    out = torch.empty_like(q_lat)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5, out, num_kv_splits=num_kv_splits)
+    ref = decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5)
+    assert max_rel_error(out, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_decode_cuda_graph_replay_gpu(q_len):
+    """Capture once with the page table's full width (so the split count is fixed), then change
+    seq_lens and the page table in place: the replay must follow the new contents."""
+    heads, scale = 16, 192 ** -0.5
+    first = make_decode([300, 5000, 12000, q_len], q_len, heads, 512, 64, 64, torch.bfloat16, spare_pages=60, seed=1)
+    second = make_decode([9000, q_len, 700, 15000], q_len, heads, 512, 64, 64, torch.bfloat16, spare_pages=0, seed=2)
+    q_lat, q_pe, cache, page_table, lens = (t.clone() for t in first)
+    cache = torch.cat([cache, second[2]])  # both caches' pages, the second's numbered after the first's
+    out = torch.empty_like(q_lat)
+
+    def run():
+        mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, out)
+
+    run()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    assert max_rel_error(out, decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale)) < BF16_TOL
+
+    q_lat.copy_(second[0])
+    q_pe.copy_(second[1])
+    lens.copy_(second[4])
+    assert second[3].shape[1] <= page_table.shape[1]
+    page_table.fill_(0)
+    page_table[:, :second[3].shape[1]] = second[3] + first[2].shape[0]
+    graph.replay()
+    assert max_rel_error(out, decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale)) < BF16_TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [[(0, 1000), (0, 37)], [(0, 1000), (3000, 512), (16, 1), (8000, 200)]],
+                         ids=["no-prefix", "prefix"])
+def test_prefill_real_sizes_and_graph_gpu(rows):
+    q, k, v, qo, kv, prefix = make_prefill(rows, 16, 192, 128, torch.bfloat16)
+    out = torch.empty(q.shape[0], 16, 128, dtype=torch.bfloat16, device=DEVICE)
+
+    def run():
+        mla_prefill(q, k, v, qo, kv, prefix, 192 ** -0.5, out)
+
+    run()
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 192 ** -0.5)) < BF16_TOL
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 192 ** -0.5)) < BF16_TOL
+
