@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from encore.backends import mla_ops  # noqa: F401  (registers torch.ops.encore.*, which forward emits)
 from encore.backends.metadata import ForwardBatch, ForwardMode
 
 
@@ -47,13 +48,49 @@ class AttentionBackend(abc.ABC):
         self.dims = dims
 
     def plan(self, batch: ForwardBatch) -> None:
-        """Host-side metadata for the step, prefill rows and decode rows planned separately."""
+        """Host-side metadata for the step, prefill rows and decode rows planned separately.
 
-    @abc.abstractmethod
+        Runs outside any compiled graph, before every forward (and before every CUDA-graph replay,
+        with the graph's static batch)."""
+
     def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                 k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Writes [kv_c, k_pe] of every token into the layer's latent cache, then attends.
 
         q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, R], k_pe [T, dr] (rope applied),
         w_kc [H, dn, R] and w_vc [H, dv, R] (kv_b_proj split per head) -> [T, H, dv].
+
+        This is what a traced graph contains: the two custom ops of ``mla_ops`` and the output they
+        fill. The ops read ``batch`` from the step context, which the runner binds to this batch.
         """
+        cache = self.kv_caches[layer_id]
+        torch.ops.encore.write_latent_cache(kv_c, k_pe, cache)
+        out = torch.empty(q_nope.shape[0], q_nope.shape[1], w_vc.shape[1], dtype=q_nope.dtype,
+                          device=q_nope.device)  # [T, H, dv]
+        torch.ops.encore.mla_attention(q_nope, q_pe, w_kc, w_vc, cache, out)
+        return out
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        """Both branches: the prefill tokens [:num_extend_tokens], then the decode tokens, each into its
+        slice of ``out``. The dispatch-split pass does the same split inside a compiled graph."""
+        split = batch.num_extend_tokens
+        if batch.num_extends:
+            self.prefill(q_nope[:split], q_pe[:split], w_kc, w_vc, cache, out[:split], batch)
+        if batch.num_decodes:
+            self.decode(q_nope[split:], q_pe[split:], w_kc, w_vc, cache, out[split:], batch)
+
+    @abc.abstractmethod
+    def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        """MHA over the decompressed KV of rows [:num_extends]; q [n, H, *] -> out [n, H, dv].
+
+        n is the step's extend-token count, bucket padding included: tokens [qo_indptr[num_extends], n)
+        are padding that belongs to no row (graphs/padding.py). Their output rows are dropped, but
+        must be finite (write zeros, or anything finite): their latents land on the dummy page,
+        which every real row reads masked, and a NaN there would survive a zero attention weight."""
+
+    @abc.abstractmethod
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        """Absorbed MLA over the latent cache for rows [num_extends:], each q_len_per_req tokens."""

@@ -61,13 +61,34 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, d / 2] each
-        return self._rotate(q_pe, cos[:, None], sin[:, None]), self._rotate(k_pe, cos, sin)
+        # An op rather than inline math so that the pre-attention fusion pass can find it and fuse it
+        # with the latent-cache write that consumes k_pe.
+        return torch.ops.encore.rotary(positions, q_pe, k_pe, self.cos_sin, self.interleaved)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        if self.interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        else:
-            x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+def apply_rotary(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, cos_sin: torch.Tensor,
+                 interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference RoPE: q_pe [T, H, d], k_pe [T, d], cos_sin [P, d] -> rotated (q_pe, k_pe)."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, d / 2] each
+    return _rotate(q_pe, cos[:, None], sin[:, None], interleaved), _rotate(k_pe, cos, sin, interleaved)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@torch.library.custom_op("encore::rotary", mutates_args=())
+def rotary(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, cos_sin: torch.Tensor,
+           interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary(positions, q_pe, k_pe, cos_sin, interleaved)
+
+
+@rotary.register_fake
+def _(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, cos_sin: torch.Tensor,
+      interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q_pe), torch.empty_like(k_pe)

@@ -10,13 +10,17 @@ from encore.backends.metadata import ForwardBatch, ForwardMode
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain torch MLA on CPU or GPU, computed in float32.
+    """Plain torch MLA on CPU or GPU, computed in float32, with static shapes and no host reads, so
+    that it can be captured in a CUDA graph for every step layout.
 
-    Prefill rows: the row's whole KV (cached prefix + this chunk) is read back from the latent
-    cache, decompressed through kv_b_proj (W_kc, W_vc) and attended with causal SDPA.
+    Prefill rows: each row's KV (cached prefix + this chunk) is read back from the latent cache
+    through its page table, decompressed through kv_b_proj (W_kc, W_vc), and every prefill token
+    attends to the keys of its own row up to its position (one masked SDPA for all prefill rows).
     Decode rows: the absorbed path — q_nope·W_kc gives a latent query, attention runs over the
     576-wide latent entries directly, and the latent output goes through W_vc; any uniform
     q_len_per_req, causal inside the row.
+    Both read every page of the page table (masked past the row's length): cost follows the table's
+    width, not the rows' lengths — fine for a reference.
     """
 
     name = "torch"
@@ -24,44 +28,32 @@ class TorchAttentionBackend(AttentionBackend):
     supports_nonuniform_decode = False
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
 
-    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        cache = self.kv_caches[layer_id]
-        flat = cache.view(-1, cache.shape[-1])  # [slots, R + dr]
-        flat[batch.slot_mapping] = torch.cat([kv_c, k_pe], dim=-1).to(cache.dtype)
-        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_vc.shape[1])  # [T, H, dv]
-        split = batch.num_extend_tokens
-        if batch.num_extends:
-            out[:split] = self._prefill(cache, q_nope[:split], q_pe[:split], w_kc, w_vc, batch)
-        if batch.num_decodes:
-            out[split:] = self._decode(cache, q_nope[split:], q_pe[split:], w_kc, w_vc, batch)
-        return out
-
-    def _prefill(self, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor,
-                 w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
         rank = self.dims.kv_lora_rank
-        page_size = cache.shape[1]
-        outs = []
-        start = 0
-        for row in range(batch.num_extends):
-            prefix, seq_len = batch.prefix_lens_cpu[row], batch.seq_lens_cpu[row]
-            q_len = seq_len - prefix
-            num_pages = -(-seq_len // page_size)
-            kv = cache[batch.page_table[row, :num_pages]].flatten(0, 1)[:seq_len].float()  # [S, R + dr]
-            k_nope = torch.einsum("sr,hdr->hsd", kv[:, :rank], w_kc.float())  # [H, S, dn]
-            v = torch.einsum("sr,hvr->hsv", kv[:, :rank], w_vc.float())  # [H, S, dv]
-            k = torch.cat([k_nope, kv[None, :, rank:].expand(k_nope.shape[0], -1, -1)], dim=-1)
-            q = torch.cat([q_nope[start:start + q_len], q_pe[start:start + q_len]], dim=-1).float()
-            q = q.transpose(0, 1)  # [H, q_len, dn + dr]
-            query_pos = torch.arange(prefix, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [q_len, S]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.dims.softmax_scale)
-            outs.append(o.transpose(0, 1))  # [q_len, H, dv]
-            start += q_len
-        return torch.cat(outs).to(q_nope.dtype)
+        num_tokens, heads = q_nope.shape[:2]
+        rows = batch.num_extends
+        device = q_nope.device
+        kv = cache[batch.page_table[:rows]].flatten(1, 2).float()  # [E, S, R + dr]
+        span = kv.shape[1]
+        k_nope = torch.einsum("esr,hdr->hesd", kv[..., :rank], w_kc.float())  # [H, E, S, dn]
+        v = torch.einsum("esr,hvr->hesv", kv[..., :rank], w_vc.float()).flatten(1, 2)  # [H, E * S, dv]
+        k_pe = kv[None, ..., rank:].expand(heads, -1, -1, -1)  # [H, E, S, dr]
+        k = torch.cat([k_nope, k_pe], dim=-1).flatten(1, 2)  # [H, E * S, dn + dr]
+        # A token belongs to the row whose qo range holds it; bucket padding past the last range is
+        # attended as the last row's token at position 0: it sees one written key, so stays finite.
+        token_ids = torch.arange(num_tokens, device=device, dtype=batch.qo_indptr.dtype)
+        token_row = torch.searchsorted(batch.qo_indptr[1:rows + 1], token_ids, right=True).clamp_(max=rows - 1)
+        key_row = torch.arange(rows, device=device)[:, None].expand(rows, span).flatten()  # [E * S]
+        key_pos = torch.arange(span, device=device).repeat(rows)  # [E * S]
+        query_pos = batch.positions[:num_tokens]
+        mask = (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= query_pos[:, None])  # [n, E * S]
+        q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, n, dn + dr]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.dims.softmax_scale)
+        out.copy_(o.transpose(0, 1))  # [n, H, dv]
 
-    def _decode(self, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor,
-                w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
         rank = self.dims.kv_lora_rank
         rows, q_len = batch.num_decodes, batch.q_len_per_req
         pages = batch.page_table[batch.num_extends:]  # [B, P]
@@ -76,5 +68,4 @@ class TorchAttentionBackend(AttentionBackend):
         visible = torch.arange(kv.shape[1], device=kv.device)[None, None, :] <= query_pos[..., None]
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         o_lat = torch.einsum("bhqs,bsr->bqhr", scores.softmax(dim=-1), kv[..., :rank])
-        out = torch.einsum("bqhr,hvr->bqhv", o_lat, w_vc.float())
-        return out.flatten(0, 1).to(q_nope.dtype)
+        out.copy_(torch.einsum("bqhr,hvr->bqhv", o_lat, w_vc.float()).flatten(0, 1))

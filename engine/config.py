@@ -40,6 +40,7 @@ class EngineConfig:
     EXTEND: ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
     An empty size tuple makes no keys of that kind.
     Keys with more tokens than ``max_num_batched_tokens`` or rows than ``max_num_seqs`` are dropped.
+    ``detokenize``: False leaves text and stop strings to the caller (the server process does them).
     ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
     ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist
     (None: ``$XDG_CACHE_HOME/encore/graphs``, or ``~/.cache/encore/graphs``).
@@ -69,6 +70,7 @@ class EngineConfig:
     graph_extend_sizes: tuple[int, ...] = (1,)
     graph_cache_dir: str | None = None
     speculative: SpecConfig | dict | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):

@@ -92,7 +92,7 @@ class Engine:
         prompt_ids = self._prompt_ids(prompt)
         params.check_vocab(self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer if self.config.detokenize else None, prompt_ids, params.stop)
         req = Request(request_id, prompt_ids, params, seed, detok)
         self.requests[request_id] = req
         self.scheduler.add(req)

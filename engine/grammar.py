@@ -53,6 +53,11 @@ def grammar_spec(json_schema: str | dict | None, regex: str | None, ebnf: str | 
     kind, value = next(iter(given.items()))
     if kind == "json_schema" and isinstance(value, dict):
         value = json.dumps(value, sort_keys=True)
+    elif kind == "json_schema" and isinstance(value, str):
+        try:  # strictly: xgrammar's parser accepts trailing garbage after a valid prefix
+            json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if kind != "json_object" and (not isinstance(value, str) or not value.strip()):
         raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
     return GrammarSpec(kind, value)

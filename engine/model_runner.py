@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from encore.backends.base import AttentionBackend, MLADims
+from encore.backends.context import StepContext
 from encore.backends.metadata import ForwardBatch
 from encore.backends.torch_backend import TorchAttentionBackend
 from encore.engine.config import EngineConfig
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from encore.graphs.cache import GraphCache
+from encore.graphs.compiler import CompiledModel
+from encore.graphs.keys import keys_for
+from encore.graphs.padding import StepBuffers, padded_index
+from encore.graphs.runner import GraphRunner, KeyReport
+from encore.graphs.weights import colocate_pre_attention_weights
 from encore.models.config import ModelConfig
 from encore.models.deepseek import DeepseekForCausalLM
-from encore.models.loader import load_model
+from encore.models.loader import has_mtp_weights, load_model
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +43,78 @@ def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     raise ValueError(f"attention_backend {name!r} is not available; expected 'auto' or 'torch'")
 
 
+ModelBuilder = Callable[[ModelConfig, AttentionBackend, torch.device, torch.dtype], DeepseekForCausalLM]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 build_model: ModelBuilder | None = None) -> None:
+        """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = model_config
         self.dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                             cfg.kv_lora_rank, cfg.softmax_scale)
-        num_layers = cfg.num_hidden_layers
+        spec = config.speculative
+        self.with_mtp = spec is not None and spec.method == "mtp"
+        if self.with_mtp and not has_mtp_weights(config.model, cfg):
+            raise ValueError(f"speculative method 'mtp' needs the checkpoint's nextn layer "
+                             f"(model.layers.{cfg.num_hidden_layers}.*), which {config.model!r} does not have")
+        num_layers = cfg.num_hidden_layers + (1 if self.with_mtp else 0)  # the MTP layer has its own cache
         self.num_pages = config.num_kv_pages or self._size_pool(config, cfg, num_layers, max_model_len)
         self.kv_caches = allocate_kv_caches(num_layers, self.num_pages, config.page_size, cfg.latent_dim,
                                             self.dtype, self.device)
         self.backend = select_backend(config.attention_backend, self.device)(self.kv_caches, self.dims)
-        self.model: DeepseekForCausalLM = load_model(Path(config.model), cfg, self.backend, self.device, self.dtype)
+        self.context = StepContext(self.backend)
+        if build_model is None:
+            self.model = load_model(Path(config.model), cfg, self.backend, self.device, self.dtype,
+                                    with_mtp=self.with_mtp)
+        else:
+            self.model = build_model(cfg, self.backend, self.device, self.dtype)
         self.sampler = Sampler()
+        # Static page-table width of graph steps; a verify row may reserve k draft slots past the context.
+        spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        row_tokens = min(max_model_len + spec_tokens, (self.num_pages - 1) * config.page_size)
+        self.max_pages_per_row = -(-row_tokens // config.page_size)
+        self.graphs = self._graph_runner(config) if config.use_compile or config.use_cuda_graphs else None
+        self.graph_cache = GraphCache.for_engine(config, cfg) if self.graphs is not None else None
+        self.eager_steps = 0
+        self.drafter_eager_steps = 0
+
+    def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+        keys = tuple(k for k in keys_for(config) if k.mode in self.backend.graph_modes)
+        if not keys:
+            log.warning("no graph key fits max_num_batched_tokens=%d / max_num_seqs=%d and backend %s's graph "
+                        "modes: every step runs eager", config.max_num_batched_tokens, config.max_num_seqs,
+                        self.backend.name)
+            return None
+        compiled = None
+        if config.use_compile:
+            from encore.passes.pipeline import passes_for
+
+            colocate_pre_attention_weights(self.model)
+            # One compile worker on the CPU: a worker pool's start-up outweighs what it parallelizes
+            # for graphs this size, and it competes with the model's own threads.
+            compiled = CompiledModel(self.model, passes_for, compile_threads=1 if self.device.type == "cpu" else None)
+        buffers = StepBuffers(max(k.num_tokens for k in keys), max(k.bs for k in keys), self.max_pages_per_row,
+                              config.page_size, self.device, full_page_table=config.use_cuda_graphs)
+        return GraphRunner(self.model, self.backend, self.context, keys, buffers, compiled, config.use_cuda_graphs)
+
+    def prepare_graphs(self, on_key=None, rewrite_manifest: bool = False) -> list[KeyReport]:
+        """Compiles (and captures) every graph key with compile artifacts in the graph cache. The
+        manifest is written when the cache was empty (or stale, hence rebuilt), or when asked (warm-up);
+        a sound one is left as the record of the warm-up that built it. No-op without graphs."""
+        if self.graphs is None:
+            return []
+        found = self.graph_cache.read_manifest()  # a stale or corrupt cache is deleted here
+        with self.graph_cache.active():
+            reports = self.graphs.prepare(on_key)
+        if found is None or rewrite_manifest:
+            self.graph_cache.write_manifest(reports)
+        else:
+            log.info("graph cache %s: %d keys ready in %.1fs", self.graph_cache.root, len(reports),
+                     sum(r.compile_s + r.capture_s for r in reports))
+        return reports
 
     def _size_pool(self, config: EngineConfig, cfg: ModelConfig, num_layers: int, max_model_len: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -68,8 +134,43 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states of the step's tokens, or of ``token_ids`` only:
+        through the step's graph key when one holds it, else eager."""
+        if self.graphs is not None:
+            ran = self.graphs.run(batch)
+            if ran is not None:
+                hidden, key = ran  # [key.num_tokens, hidden]
+                wanted = token_ids if token_ids is not None else torch.arange(batch.num_tokens, device=self.device)
+                return hidden[padded_index(batch, key, wanted)]
+        self.eager_steps += 1
+        with self.context.bind(batch):
+            self.backend.plan(batch)
+            hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
+        return hidden if token_ids is None else hidden[token_ids]
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over ``batch``'s layout, fed ``input_ids`` and the hidden states ``hidden``
+        [T, hidden]; returns its normed hidden states. Eager (counted in ``drafter_eager_steps``)."""
+        self.drafter_eager_steps += 1
+        with self.context.bind(batch):
+            self.backend.plan(batch)
+            return self.model.mtp(input_ids, batch.positions, hidden, batch)
+
+    def graph_stats(self) -> dict[str, int]:
+        graphs = self.graphs
+        compiled = graphs.compiled if graphs is not None else None
+        return {
+            "graph_replays": graphs.graph_replays if graphs is not None else 0,
+            "compiled_steps": graphs.compiled_steps if graphs is not None else 0,
+            "eager_steps": self.eager_steps,
+            "drafter_eager_steps": self.drafter_eager_steps,
+            "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
+            "recompiles": compiled.recompiles if compiled is not None else 0,
+        }
+
+    @torch.inference_mode()
     def run(self, batch: ForwardBatch, sampling: SamplingTensors) -> SamplerOutput:
-        self.backend.plan(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
+        logits = self.model.compute_logits(self.forward(batch, batch.gather_ids))  # [N, V]
         return self.sampler(logits, sampling)

@@ -44,8 +44,8 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
+               f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.repetition_penalty > 0.0,
                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")

@@ -37,6 +37,8 @@ def test_specs_validate_and_reject_with_xgrammar_messages():
         grammar_spec(None, "a(", None, False).parse()
     with pytest.raises(ValueError, match="invalid ebnf: EBNF parser error"):
         grammar_spec(None, None, "root ::= ", False).parse()
+    with pytest.raises(ValueError, match="json_schema is not valid JSON: Extra data"):
+        grammar_spec('{},"]', None, None, False)
     with pytest.raises(ValueError, match="invalid json_schema"):
         grammar_spec('{"type": 5}', None, None, False).parse()
 

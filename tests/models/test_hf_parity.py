@@ -33,7 +33,7 @@ def run_rows(engine: Engine, rows: list[tuple[Request, int, bool]], q_len: int =
     batch, _ = build_forward_batch(step, engine.kv, engine.runner.device)
     batch.gather_ids = torch.arange(batch.num_tokens)
     with torch.inference_mode():
-        logits = engine.runner.model.compute_logits(engine.runner.model(batch.input_ids, batch.positions, batch))
+        logits = engine.runner.model.compute_logits(engine.runner.forward(batch))
     out, start = [], 0
     for req, n in step.extends + [(r, q_len) for r in step.decodes]:
         out.append(logits[start:start + n])

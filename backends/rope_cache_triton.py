@@ -1,0 +1,91 @@
+"""Fused RoPE + latent-cache write (the CUDA kernel of ``encore::rope_cache_write``).
+
+One program per token: rotates the token's shared rope key and writes it, with the compressed kv,
+straight into the token's cache slot (the rotated key never exists as a tensor), and rotates every
+head's q_pe into a fresh output. Same math as ``backends.rope.apply_rotary`` (float32, cos/sin from
+the table, interleaved pairs written de-interleaved), so it matches the reference to rounding.
+Runs under Triton's CPU interpreter too (``TRITON_INTERPRET=1``), which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_cache_write_kernel(
+    pos_ptr, slot_ptr, q_ptr, kv_c_ptr, k_pe_ptr, cos_sin_ptr, cache_ptr, q_out_ptr,
+    q_stride_t, q_stride_h, kv_c_stride_t, k_pe_stride_t, cos_sin_stride, cache_stride_slot,
+    q_out_stride_t, q_out_stride_h, num_heads,
+    RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i)
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...
+        first = 2 * i
+        second = 2 * i + 1
+    else:  # halves
+        first = i
+        second = i + HALF
+
+    dst = cache_ptr + slot * cache_stride_slot
+    k1 = tl.load(k_pe_ptr + t * k_pe_stride_t + first).to(tl.float32)
+    k2 = tl.load(k_pe_ptr + t * k_pe_stride_t + second).to(tl.float32)
+    tl.store(dst + RANK + i, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty))
+    tl.store(dst + RANK + HALF + i, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty))
+    r = tl.arange(0, BLOCK_RANK)
+    latent = tl.load(kv_c_ptr + t * kv_c_stride_t + r, mask=r < RANK)
+    tl.store(dst + r, latent.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+
+    h = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
+    heads = h < num_heads
+    src = q_ptr + t * q_stride_t + h * q_stride_h
+    q1 = tl.load(src + first[None, :], mask=heads).to(tl.float32)  # [BLOCK_HEADS, HALF]
+    q2 = tl.load(src + second[None, :], mask=heads).to(tl.float32)
+    out = q_out_ptr + t * q_out_stride_t + h * q_out_stride_h
+    tl.store(out + i[None, :], (q1 * cos[None, :] - q2 * sin[None, :]).to(q_out_ptr.dtype.element_ty), mask=heads)
+    tl.store(out + HALF + i[None, :], (q2 * cos[None, :] + q1 * sin[None, :]).to(q_out_ptr.dtype.element_ty),
+             mask=heads)
+
+
+def rope_cache_write_triton(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                            cos_sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            interleaved: bool) -> torch.Tensor:
+    """positions, slot_mapping [T] int64; q_pe [T, H, dr]; kv_c [T, R]; k_pe [T, dr]; cos_sin [P, dr]
+    float32; cache [pages, page_size, R + dr] -> rope(q_pe) [T, H, dr] (cache written in place)."""
+    num_tokens, num_heads, rope_dim = q_pe.shape
+    rank = kv_c.shape[-1]
+    half = rope_dim // 2
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"rope dim {rope_dim} must be twice a power of two")
+    if k_pe.shape != (num_tokens, rope_dim) or kv_c.shape != (num_tokens, rank):
+        raise ValueError(f"k_pe {tuple(k_pe.shape)} / kv_c {tuple(kv_c.shape)} do not match q_pe {tuple(q_pe.shape)}")
+    if cache.shape[-1] != rank + rope_dim or not cache.is_contiguous():
+        raise ValueError(f"cache {tuple(cache.shape)} must be contiguous with entries of width {rank + rope_dim}")
+    if cos_sin.dtype != torch.float32 or cos_sin.shape[-1] != rope_dim or cos_sin.stride(-1) != 1:
+        raise ValueError(f"cos_sin must be float32 [positions, {rope_dim}] with unit last stride, got "
+                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
+    for name, tensor in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if tensor.shape != (num_tokens,) or tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 [{num_tokens}], got {tensor.dtype} {tuple(tensor.shape)}")
+    for name, tensor in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride in its last dimension, got strides {tensor.stride()}")
+    q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype, device=q_pe.device)
+    if num_tokens == 0:
+        return q_out
+    _rope_cache_write_kernel[(num_tokens,)](
+        positions, slot_mapping, q_pe, kv_c, k_pe, cos_sin, cache, q_out,
+        q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cos_sin.stride(0), cache.shape[-1],
+        q_out.stride(0), q_out.stride(1), num_heads,
+        RANK=rank, HALF=half, BLOCK_RANK=triton.next_power_of_2(rank), BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        INTERLEAVED=interleaved,
+    )
+    return q_out

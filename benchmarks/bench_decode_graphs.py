@@ -1,0 +1,231 @@
+"""Decode step time on a DeepSeek-V2-Lite-shaped model: eager vs compiled vs CUDA-graph replay.
+
+The model is built from a ModelConfig directly on the GPU with random bf16 weights (27 layers, 64
+routed experts top-6 + 2 shared, MLA 512 + 64; no checkpoint, no download). For each batch size a
+decode step at ``--context`` tokens per row (forward + logits of every row, torch attention backend)
+is timed three ways, each next to its floor: the bytes a step must read — the weights it touches
+(all dense weights, the routed experts the batch is expected to hit under uniform routing, the LM
+head) plus every row's latent KV — over the device-to-device copy bandwidth measured in the same run.
+Also measured, each in a fresh process: a cold warm-up (compile + capture of every key into an empty
+graph cache) and a warm start to ready (same cache: Inductor's work is read back, graphs recaptured).
+
+    python benchmarks/bench_decode_graphs.py [--batch-sizes 1,64] [--context 1024] [--iters 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+START = time.perf_counter()  # "time to ready" counts imports too
+
+import torch  # noqa: E402
+
+from encore.backends.base import AttentionBackend  # noqa: E402
+from encore.backends.metadata import ForwardBatch  # noqa: E402
+from encore.engine.config import EngineConfig  # noqa: E402
+from encore.engine.model_runner import ModelRunner  # noqa: E402
+from encore.models.config import ModelConfig, RopeConfig  # noqa: E402
+from encore.models.deepseek import DeepseekForCausalLM  # noqa: E402
+
+PAGE_SIZE = 16
+
+V2_LITE = ModelConfig(
+    architecture="DeepseekV2ForCausalLM", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, scoring_func="softmax", topk_method="greedy",
+    n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    rope=RopeConfig(kind="yarn", theta=10000.0, dim=64, factor=40.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+    attention_bias=False, tie_word_embeddings=False, num_nextn_predict_layers=0, bos_token_id=100000,
+    eos_token_ids=(100001,),
+)
+
+
+def build_random(cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype) -> DeepseekForCausalLM:
+    """Random weights made on the GPU: norms 1, everything else N(0, 0.02)."""
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, backend)
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.rotary.init_buffers()
+    return model.eval()
+
+
+def engine_config(batch_sizes: list[int], context: int, cache_dir: str) -> EngineConfig:
+    rows = max(batch_sizes)
+    pages_per_row = math.ceil((context + 1) / PAGE_SIZE)
+    return EngineConfig(model="random:deepseek-v2-lite", device="cuda", dtype="bfloat16", page_size=PAGE_SIZE,
+                        num_kv_pages=1 + rows * pages_per_row, max_model_len=pages_per_row * PAGE_SIZE,
+                        max_num_seqs=rows, max_num_batched_tokens=max(rows, 16), graph_decode_sizes=tuple(batch_sizes),
+                        graph_mixed_extends=(), graph_extend_sizes=(), graph_cache_dir=cache_dir)
+
+
+def make_runner(batch_sizes: list[int], context: int, cache_dir: str) -> ModelRunner:
+    config = engine_config(batch_sizes, context, cache_dir)
+    runner = ModelRunner(config, V2_LITE, config.max_model_len, build_model=build_random)
+    runner.prepare_graphs()
+    return runner
+
+
+def decode_batch(bs: int, context: int, device: torch.device) -> ForwardBatch:
+    """Every row at ``context`` cached tokens, decoding its next one (pages 1.. in row order)."""
+    pages_per_row = math.ceil((context + 1) / PAGE_SIZE)
+    table = 1 + torch.arange(bs * pages_per_row, dtype=torch.int32, device=device).view(bs, pages_per_row)
+    positions = torch.full((bs,), context, dtype=torch.int64, device=device)
+    slots = table[:, context // PAGE_SIZE].long() * PAGE_SIZE + context % PAGE_SIZE
+    rows = torch.arange(bs, device=device)
+    return ForwardBatch(num_extends=0, q_len_per_req=1, bs=bs, num_tokens=bs, page_size=PAGE_SIZE,
+                        input_ids=(rows * 7919) % V2_LITE.vocab_size, positions=positions, slot_mapping=slots,
+                        seq_lens=torch.full((bs,), context + 1, dtype=torch.int32, device=device),
+                        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
+                        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device), page_table=table,
+                        gather_ids=rows, seq_lens_cpu=[context + 1] * bs, prefix_lens_cpu=[context] * bs)
+
+
+def time_ms(step, iters: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 20)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def bytes_read(model: DeepseekForCausalLM, cfg: ModelConfig, bs: int, context: int) -> dict[str, float]:
+    """What a decode step of ``bs`` rows must read: weights it touches and the rows' latent KV."""
+    expected_experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** bs)
+    weights = 0.0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if name.endswith("embed_tokens.weight"):
+            size = bs * param.shape[1] * param.element_size()  # only the rows looked up
+        elif ".experts.w" in name:
+            size = size / cfg.n_routed_experts * expected_experts
+        weights += size
+    kv = bs * (context + 1) * cfg.latent_dim * 2 * cfg.num_hidden_layers
+    return {"weights": weights, "kv": kv, "expected_experts_per_layer": expected_experts}
+
+
+@torch.inference_mode()
+def measure(runner: ModelRunner, bs: int, context: int, iters: int) -> dict[str, float]:
+    model, graphs = runner.model, runner.graphs
+    batch = decode_batch(bs, context, runner.device)
+    key = graphs.table.find(batch)
+    assert key is not None and key.bs == bs, (bs, key)
+
+    def eager():
+        with runner.context.bind(batch):
+            runner.backend.plan(batch)
+            hidden = model(batch.input_ids, batch.positions, batch)
+        return model.compute_logits(hidden[batch.gather_ids])
+
+    def compiled():
+        padded = graphs.buffers.fill(key, batch)
+        with runner.context.bind(padded):
+            runner.backend.plan(padded)
+            hidden = graphs.compiled(key, padded)
+        return model.compute_logits(hidden[padded.gather_ids])
+
+    def replay():
+        return model.compute_logits(runner.forward(batch, batch.gather_ids))
+
+    results = {name: time_ms(fn, iters) for name, fn in (("eager", eager), ("compiled", compiled),
+                                                          ("cuda_graph", replay))}
+    want, got = eager().float(), replay().float()
+    results["replay_vs_eager_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+    return results
+
+
+def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str) -> dict:
+    command = [sys.executable, __file__, "--phase", "prepare", "--cache-dir", cache_dir, "--context", str(context),
+               "--batch-sizes", ",".join(map(str, batch_sizes))]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--cache-dir", default=None, help="graph cache root (default: a fresh temporary directory)")
+    ap.add_argument("--phase", choices=("all", "prepare"), default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    if args.phase == "prepare":  # child: build, compile, capture; report the time to ready
+        begin = time.perf_counter()
+        runner = make_runner(batch_sizes, args.context, args.cache_dir)
+        torch.cuda.synchronize()
+        print(json.dumps({"ready_s": time.perf_counter() - START, "prepare_s": time.perf_counter() - begin,
+                          "compiled_keys": runner.graph_stats()["compiled_keys"]}))
+        return
+
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="encore_graph_cache_")
+    cold = prepare_in_fresh_process(batch_sizes, args.context, cache_dir)
+    warm = prepare_in_fresh_process(batch_sizes, args.context, cache_dir)
+    runner = make_runner(batch_sizes, args.context, cache_dir)
+    for cache in runner.kv_caches:
+        cache.normal_(0.0, 1.0)  # finite stand-ins for the rows' cached latents
+    bandwidth = copy_bandwidth()
+    rows = []
+    for bs in batch_sizes:
+        times = measure(runner, bs, args.context, args.iters)
+        need = bytes_read(runner.model, V2_LITE, bs, args.context)
+        floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
+        for mode in ("eager", "compiled", "cuda_graph"):
+            rows.append({"mode": mode, "bs": bs, "context": args.context, "ms": times[mode], "floor_ms": floor_ms,
+                         "x_floor": times[mode] / floor_ms, "tokens_per_s": bs / (times[mode] / 1e3),
+                         "weights_gb": need["weights"] / 1e9, "kv_gb": need["kv"] / 1e9,
+                         "replay_vs_eager_rel_err": times["replay_vs_eager_rel_err"]})
+
+    print(f"DeepSeek-V2-Lite shape, random bf16 weights, torch attention backend, {torch.cuda.get_device_name()}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'mode':<11} {'bs':>4} {'ms/step':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'weights GB':>11} "
+          f"{'KV GB':>7}")
+    for r in rows:
+        print(f"{r['mode']:<11} {r['bs']:>4} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>8.2f} "
+              f"{r['tokens_per_s']:>9.0f} {r['weights_gb']:>11.2f} {r['kv_gb']:>7.3f}")
+    print(f"cold warm-up ({len(batch_sizes)} keys, fresh process, empty cache): ready in {cold['ready_s']:.1f}s "
+          f"(compile + capture {cold['prepare_s']:.1f}s)")
+    print(f"warm start (same cache, fresh process): ready in {warm['ready_s']:.1f}s "
+          f"(compile + capture {warm['prepare_s']:.1f}s)")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth,
+              "rows": rows, "cold_warmup": cold, "warm_start": warm, "cache_dir": cache_dir}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

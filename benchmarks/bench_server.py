@@ -1,0 +1,144 @@
+"""The gRPC server's overhead: N concurrent streaming clients against ``encore serve`` vs the same
+requests stepped by an Engine in-process (the peer, measured in the same run).
+
+Both sides run the same greedy requests (text prompts, ``ignore_eos``, ``max_tokens`` each) submitted
+at once, and must produce the same tokens. TTFT is from submission to the first token, TPOT the
+mean gap between a request's later tokens, throughput all output tokens over the wall time. The
+server runs as its own process (``python -m encore.server.cli serve``, which spawns the engine
+process); the clients are asyncio streams in this process. On a machine with few cores the three
+processes compete for them, which is part of what this measures.
+
+    python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--json out.json]
+
+Without --model it serves the embedded encore-tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from encore.models.tiny import default_model_dir
+
+WORDS = "def return class import while yield lambda async await value index count total result".split()
+
+
+def prompts(n: int, words: int) -> list[str]:
+    return [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(words)) for i in range(n)]
+
+
+def summarize(starts: list[float], firsts: list[float], ends: list[float], counts: list[int], wall: float) -> dict:
+    ttft = [f - s for s, f in zip(starts, firsts)]
+    tpot = [(e - f) / (n - 1) for f, e, n in zip(firsts, ends, counts) if n > 1]
+    return {"ttft_ms_mean": 1e3 * statistics.mean(ttft), "ttft_ms_p50": 1e3 * statistics.median(ttft),
+            "tpot_ms_mean": 1e3 * statistics.mean(tpot), "tpot_ms_p50": 1e3 * statistics.median(tpot),
+            "tpot_ms_p99": 1e3 * sorted(tpot)[int(0.99 * (len(tpot) - 1))],
+            "throughput_tok_s": sum(counts) / wall, "wall_s": wall}
+
+
+def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    from encore.engine import Engine, SamplingParams
+
+    engine = Engine(**engine_kwargs)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(texts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    n = len(texts)
+    start = time.perf_counter()
+    for i, text in enumerate(texts):
+        engine.add_request(f"b{i}", text, params)
+    firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id[1:])
+            now = time.perf_counter()
+            if out.new_token_ids and not tokens[i]:
+                firsts[i] = now
+            tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                ends[i] = now
+    wall = time.perf_counter() - start
+    return summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall), tokens
+
+
+async def run_clients(target: str, texts: list[str], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    from encore.server.client import AsyncClient
+
+    async with AsyncClient(target, max_message_bytes=16 << 20) as client:
+        await client.generate(texts[0], max_tokens=4, temperature=0.0)  # warm-up
+        n = len(texts)
+        firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+
+        async def one(i: int) -> None:
+            async for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                if chunk.token_ids and not tokens[i]:
+                    firsts[i] = time.perf_counter()
+                tokens[i].extend(chunk.token_ids)
+            ends[i] = time.perf_counter()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - start
+    return summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall), tokens
+
+
+def start_server(model: str, engine_args: list[str]) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", model, "--port", "0", *engine_args]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    target = None
+    for line in server.stdout:
+        if match := re.search(r"listening on (\S+)", line):
+            target = match.group(1)
+        if "ready: serving" in line:
+            return server, target
+    raise RuntimeError(f"encore serve exited with {server.wait()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-words", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model = args.model or str(default_model_dir())
+    texts = prompts(args.clients, args.prompt_words)
+    engine_kwargs = {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.clients}
+    peer, peer_tokens = run_in_process(engine_kwargs, texts, args.max_tokens)
+    server, target = start_server(model, ["--device", args.device, "--dtype", args.dtype,
+                                          "--max-num-seqs", str(args.clients)])
+    try:
+        served, served_tokens = asyncio.run(run_clients(target, texts, args.max_tokens))
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert served_tokens == peer_tokens, "the server's tokens differ from the in-process engine's"
+    rows = [{"path": "in-process Engine (peer)", **peer}, {"path": "gRPC server", **served}]
+    overhead = {"tpot_ratio": served["tpot_ms_mean"] / peer["tpot_ms_mean"],
+                "ttft_ratio": served["ttft_ms_mean"] / peer["ttft_ms_mean"],
+                "throughput_ratio": served["throughput_tok_s"] / peer["throughput_tok_s"]}
+    print(f"{Path(model).name}: {args.clients} concurrent streams x {args.max_tokens} tokens, "
+          f"{args.device}/{args.dtype}")
+    print(f"{'path':26} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
+    for r in rows:
+        print(f"{r['path']:26} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
+              f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.2f}")
+    print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
+          f"throughput x{overhead['throughput_ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model, "clients": args.clients, "max_tokens": args.max_tokens, "device": args.device,
+                       "dtype": args.dtype, "rows": rows, "overhead": overhead}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

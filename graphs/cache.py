@@ -1,0 +1,158 @@
+"""The graph cache: compile artifacts and the warm-up manifest of one model + configuration.
+
+Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
+
+    <identity hash>/manifest.json    keys with compile / capture times and graph-pool growth
+    <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels)
+    <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
+
+The identity is everything a compiled graph depends on: the model config, the engine settings that
+shape a graph (dtype, page size, backend, the keys), and the encore / torch / triton / Python versions
+and GPU. A different identity is a different directory. Within one, a manifest that cannot be read,
+names another identity, or points at artifacts that are gone is stale or corrupt: the directory is
+deleted with a warning and rebuilt, never used. Inductor keys its own entries by graph and version
+too, so the manifest check guards encore's records, not the safety of a cache hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from encore.engine.config import EngineConfig
+from encore.graphs.keys import keys_for
+from encore.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = 1
+
+
+def default_cache_root() -> Path:
+    """The one place the cache location is read from the environment."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "encore" / "graphs"
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
+    keys = keys_for(config)
+    device = torch.device(config.device)
+    return {
+        "model_config": asdict(model_config),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        "dtype": config.dtype,
+        "page_size": config.page_size,
+        "attention_backend": config.attention_backend,
+        "compile": config.use_compile,
+        "cuda_graphs": config.use_cuda_graphs,
+        "keys": [[k.num_extends, k.q_len_per_req, k.bs, k.num_tokens] for k in keys],
+        "versions": {"encore": _version("encore"), "torch": torch.__version__, "triton": _version("triton"),
+                     "python": platform.python_version()},
+    }
+
+
+def _digest(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCache:
+    root: Path
+    ident: dict
+
+    @staticmethod
+    def for_engine(config: EngineConfig, model_config: ModelConfig) -> GraphCache:
+        ident = identity(config, model_config)
+        base = Path(config.graph_cache_dir) if config.graph_cache_dir else default_cache_root()
+        return GraphCache(base / _digest(ident), ident)
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def inductor_dir(self) -> Path:
+        return self.root / "inductor"
+
+    def read_manifest(self) -> dict | None:
+        """The manifest if it is present and sound; None if absent. A stale or corrupt cache is
+        deleted (with a warning), then None."""
+        if not self.manifest_path.exists():
+            return None
+        problem = None
+        try:
+            manifest = json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            problem, manifest = f"unreadable manifest ({exc})", None
+        if manifest is not None:
+            if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+                problem = f"manifest format {manifest.get('format') if isinstance(manifest, dict) else None!r}"
+            elif manifest.get("identity_hash") != _digest(self.ident) or manifest.get("identity") != json.loads(
+                    json.dumps(self.ident, default=str)):
+                problem = "manifest written for another model, configuration or version"
+            elif not self.inductor_dir.is_dir() or not any(self.inductor_dir.iterdir()):
+                problem = "compile artifacts are missing"
+        if problem is None:
+            return manifest
+        log.warning("graph cache %s is stale or corrupt (%s): deleting it and rebuilding", self.root, problem)
+        shutil.rmtree(self.root, ignore_errors=True)
+        return None
+
+    @contextmanager
+    def active(self) -> Iterator[GraphCache]:
+        """Compiles inside this block read and write this cache: Inductor's cache directory is pointed
+        here for the duration, and so is flashinfer's JIT directory (flashinfer resolves it when first
+        imported, so a flashinfer backend must import it lazily, inside the warm-up)."""
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        self.inductor_dir.mkdir(parents=True, exist_ok=True)
+        previous = os.environ.get("FLASHINFER_WORKSPACE_BASE")
+        os.environ["FLASHINFER_WORKSPACE_BASE"] = str(self.root / "flashinfer")
+        try:
+            with temporary_cache_dir(str(self.inductor_dir)):
+                yield self
+        finally:
+            if previous is None:
+                os.environ.pop("FLASHINFER_WORKSPACE_BASE", None)
+            else:
+                os.environ["FLASHINFER_WORKSPACE_BASE"] = previous
+
+    def write_manifest(self, reports: list) -> dict:
+        """Records ``reports`` (graphs.runner.KeyReport, one per key) as this cache's manifest."""
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "identity_hash": _digest(self.ident),
+            "identity": json.loads(json.dumps(self.ident, default=str)),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "total_s": round(sum(r.compile_s + r.capture_s for r in reports), 3),
+            "graph_pool_bytes": sum(r.pool_bytes for r in reports),
+            "keys": [{"mode": r.key.mode.value, "num_extends": r.key.num_extends,
+                      "q_len_per_req": r.key.q_len_per_req, "bs": r.key.bs, "num_tokens": r.key.num_tokens,
+                      "compile_s": round(r.compile_s, 3), "capture_s": round(r.capture_s, 3),
+                      "pool_bytes": r.pool_bytes} for r in reports],
+        }
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.replace(self.manifest_path)  # atomic: a killed warm-up never leaves half a manifest
+        return manifest

@@ -1,0 +1,116 @@
+"""Static step buffers and the padding of a step up to its graph key.
+
+The buffers are allocated once at the largest key's size; a key's step is a set of leading views of
+them, so a CUDA graph captured on those views reads whatever the next step copies in. Layout of a
+padded step for key (E, q, bs, T), with n real prefill tokens, D real decode rows and
+P = T - (bs - E)·q prefill tokens in the bucket:
+
+    tokens [0, n)           real prefill tokens
+    tokens [n, P)           padding owned by no row (qo_indptr[E] = n, so a ragged prefill kernel
+                            never sees them): token 0 at position 0, written to slot 0 of the
+                            dummy page; the backend must leave finite values in their output rows
+    tokens [P, P + D·q)     real decode tokens (qo_indptr[E + j] = P + j·q: offsets in the padded step)
+    tokens [P + D·q, T)     padded decode rows: token 0 at positions 0..q-1, seq_len q,
+                            page table all dummy page, so they write and read only that page
+    rows   [E + D, bs)      the padded decode rows
+
+Padded tokens only ever touch the dummy page (engine/kv_cache.py ``DUMMY_PAGE``): real rows never
+read it unmasked, and every padded query sees at least one finite key, so no NaN can reach the page.
+Their outputs are dropped: ``padded_index`` maps real token indices to padded ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from encore.backends.metadata import ForwardBatch
+from encore.engine.kv_cache import DUMMY_PAGE
+from encore.graphs.keys import GraphKey
+
+
+class StepBuffers:
+    """Device buffers for the largest key; ``fill`` writes a (padded) step into them."""
+
+    def __init__(self, max_tokens: int, max_rows: int, max_pages: int, page_size: int, device: torch.device,
+                 full_page_table: bool) -> None:
+        """``full_page_table``: hand out all ``max_pages`` columns (a captured graph's shapes are fixed);
+        otherwise only as many as the step uses."""
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.full_page_table = full_page_table
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.prefix_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.qo_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        # 0, 1, 2, ...: positions of a padded decode row's tokens, and row counts for qo_indptr.
+        self._pad_positions = torch.arange(max(max_tokens, max_rows + 1), device=device)
+
+    def fill(self, key: GraphKey, batch: ForwardBatch | None) -> ForwardBatch:
+        """Copies ``batch`` (None: an all-padding step, for warm-up and capture) into the buffers,
+        padded to ``key``; returns the step as views of the buffers."""
+        q, E, T = key.q_len_per_req, key.num_extends, key.num_tokens
+        P = key.num_extend_tokens
+        n = batch.num_extend_tokens if batch is not None else 0
+        D = batch.num_decodes if batch is not None else 0
+        real_rows = batch.bs if batch is not None else 0
+        width = self.max_pages if self.full_page_table or batch is None else batch.page_table.shape[1]
+        if width > self.max_pages:
+            raise ValueError(f"step uses {width} pages per row; the graph buffers hold {self.max_pages}")
+        dec_end = P + D * q
+
+        ids, pos, slots = self.input_ids, self.positions, self.slot_mapping
+        if batch is not None:
+            ids[:n].copy_(batch.input_ids[:n])
+            ids[P:dec_end].copy_(batch.input_ids[n:])
+            pos[:n].copy_(batch.positions[:n])
+            pos[P:dec_end].copy_(batch.positions[n:])
+            slots[:n].copy_(batch.slot_mapping[:n])
+            slots[P:dec_end].copy_(batch.slot_mapping[n:])
+        ids[n:P].zero_()
+        ids[dec_end:T].zero_()
+        pos[n:P].zero_()
+        slots[n:P].fill_(DUMMY_PAGE * self.page_size)
+        pad_decode = (T - dec_end) // q
+        if pad_decode:
+            offsets = self._pad_positions[:q].repeat(pad_decode)  # [pad_decode * q]
+            pos[dec_end:T].copy_(offsets)
+            slots[dec_end:T].copy_(offsets % self.page_size + DUMMY_PAGE * self.page_size)
+
+        seq_lens, prefix_lens, indptr, table = self.seq_lens, self.prefix_lens, self.qo_indptr, self.page_table
+        table[:key.bs, :width].fill_(DUMMY_PAGE)
+        if batch is not None:
+            seq_lens[:real_rows].copy_(batch.seq_lens)
+            prefix_lens[:real_rows].copy_(batch.prefix_lens)
+            indptr[:real_rows + 1].copy_(batch.qo_indptr)
+            table[:real_rows, :batch.page_table.shape[1]].copy_(batch.page_table)
+        if batch is None and E:  # an all-padding prefill: E empty rows, every prefill token is padding
+            seq_lens[:E].fill_(1)
+            prefix_lens[:E].zero_()
+            indptr[:E + 1].zero_()
+        if real_rows > E:
+            indptr[E + 1:real_rows + 1] += P - n  # real decode rows start after the prefill bucket
+        pad_rows = slice(E + D, key.bs)
+        seq_lens[pad_rows].fill_(q)
+        prefix_lens[pad_rows].zero_()
+        indptr[E + D + 1:key.bs + 1].copy_(dec_end + q * self._pad_positions[1:key.bs - E - D + 1])
+
+        seq_cpu = list(batch.seq_lens_cpu) if batch is not None else [1] * E
+        prefix_cpu = list(batch.prefix_lens_cpu) if batch is not None else [0] * E
+        pad = key.bs - len(seq_cpu)
+        return ForwardBatch(
+            num_extends=E, q_len_per_req=q, bs=key.bs, num_tokens=T, page_size=self.page_size,
+            input_ids=ids[:T], positions=pos[:T], slot_mapping=slots[:T],
+            seq_lens=seq_lens[:key.bs], prefix_lens=prefix_lens[:key.bs], qo_indptr=indptr[:key.bs + 1],
+            page_table=table[:key.bs, :width],
+            gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else ids.new_zeros(0),
+            seq_lens_cpu=seq_cpu + [q] * pad, prefix_lens_cpu=prefix_cpu + [0] * pad,
+        )
+
+
+def padded_index(batch: ForwardBatch, key: GraphKey, token_ids: torch.Tensor) -> torch.Tensor:
+    """Token indices of ``batch`` -> indices of the same tokens in the step padded to ``key``."""
+    n = batch.num_extend_tokens
+    return token_ids + (token_ids >= n) * (key.num_extend_tokens - n)

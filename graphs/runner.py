@@ -1,0 +1,136 @@
+"""Runs steps on graph keys: the compiled callable of each key and, on CUDA, its captured graph.
+
+``prepare`` compiles every key (and captures it) once, largest first: CUDA graphs share one memory
+pool, and a pool sized by the largest capture is reused by every smaller one. Each capture runs on
+the static step buffers with an all-padding step bound in the step context, after a warm-up that
+compiles, autotunes and JIT-builds whatever the step touches. ``run`` pads a step to its key's
+buffers, plans the backend's metadata outside the graph, then calls the key's compiled callable or
+replays its graph. A step that fits no key returns None: the caller runs it eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from encore.backends.base import AttentionBackend
+from encore.backends.context import StepContext
+from encore.backends.metadata import ForwardBatch
+from encore.graphs.compiler import CompiledModel
+from encore.graphs.keys import GraphKey, KeyTable
+from encore.graphs.padding import StepBuffers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyReport:
+    """What preparing one key took: compile (first call, warm-up included) and capture seconds, and
+    the graph pool's growth in bytes during the capture (0 without CUDA graphs)."""
+
+    key: GraphKey
+    compile_s: float
+    capture_s: float
+    pool_bytes: int
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [T, hidden], the graph's output, overwritten by every replay in the pool
+
+
+class GraphRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, context: StepContext,
+                 keys: tuple[GraphKey, ...], buffers: StepBuffers, compiled: CompiledModel | None,
+                 cuda_graphs: bool) -> None:
+        """``compiled`` None runs (and captures) the eager model on each key."""
+        if not keys:
+            raise ValueError("GraphRunner needs at least one graph key; none fit the step budget")
+        self.model = model
+        self.backend = backend
+        self.context = context
+        self.table = KeyTable(keys)
+        self.keys = tuple(sorted(keys, key=lambda k: (k.num_tokens, k.bs), reverse=True))  # largest first
+        self.buffers = buffers
+        self.compiled = compiled
+        self.cuda_graphs = cuda_graphs
+        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self._captured: dict[GraphKey, _Captured] = {}
+        self.graph_replays = 0
+        self.compiled_steps = 0
+        self.steps_per_key: Counter[GraphKey] = Counter()
+
+    def _call(self, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(key, batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def prepare(self, on_key: Callable[[int, KeyReport], None] | None = None) -> list[KeyReport]:
+        """Compiles (and captures) every key, largest first; ``on_key(index, report)`` after each."""
+        reports = []
+        for index, key in enumerate(self.keys):
+            static = self.buffers.fill(key, None)
+            with self.context.bind(static):
+                self.backend.plan(static)
+                start = time.perf_counter()
+                if self.cuda_graphs:
+                    self._warm_up_on_side_stream(key, static)
+                else:
+                    self._call(key, static)
+                compile_s = time.perf_counter() - start
+                capture_s, pool_bytes = self._capture(key, static) if self.cuda_graphs else (0.0, 0)
+            report = KeyReport(key, compile_s, capture_s, pool_bytes)
+            log.info("graph key %d/%d %s: compile %.1fs, capture %.2fs, pool +%.1f MiB", index + 1,
+                     len(self.keys), key, compile_s, capture_s, pool_bytes / 2**20)
+            reports.append(report)
+            if on_key is not None:
+                on_key(index, report)
+        return reports
+
+    def _warm_up_on_side_stream(self, key: GraphKey, static: ForwardBatch) -> None:
+        # Warm-up outside the capture stream (the CUDA-graph docs' recipe): lazy initializations
+        # and allocator growth must not happen during capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._call(key, static)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def _capture(self, key: GraphKey, static: ForwardBatch) -> tuple[float, int]:
+        before = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self._call(key, static)
+        torch.cuda.synchronize()
+        self._captured[key] = _Captured(graph, hidden)
+        return time.perf_counter() - start, torch.cuda.memory_reserved() - before
+
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphKey] | None:
+        """Hidden states [key.num_tokens, hidden] of ``batch`` padded to its key, or None if no key holds
+        it. Map the batch's token indices into them with ``padding.padded_index``."""
+        key = self.table.find(batch)
+        if key is None or batch.page_table.shape[1] > self.buffers.max_pages:
+            return None
+        padded = self.buffers.fill(key, batch)
+        self.steps_per_key[key] += 1
+        captured = self._captured.get(key)
+        with self.context.bind(padded):
+            self.backend.plan(padded)
+            if captured is not None:
+                captured.graph.replay()
+                self.graph_replays += 1
+                return captured.hidden, key
+            hidden = self._call(key, padded)
+        self.compiled_steps += 1
+        return hidden, key
+

@@ -1,0 +1,160 @@
+"""``encore graphs warmup`` and ``encore graphs list``: build the graph cache ahead of serving.
+
+``warmup`` loads the model and compiles (and, on CUDA, captures) every graph key with a progress line
+per key, inside the graph cache of this model + configuration (graphs/cache.py), and writes its
+manifest. A later engine start with the same model, graph settings and versions finds the cache:
+Inductor's compile work is read back and only the CUDA graphs are captured again (they cannot be
+stored). ``list_manifest`` prints what the cache holds.
+
+The CLI itself lives in server/cli.py; it calls ``add_graphs_subcommands(subparsers)`` to get both
+commands, each of which sets ``run`` (``args.run(args) -> int``, server/cli.py's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from encore.engine.config import EngineConfig
+from encore.graphs.cache import default_cache_root
+from encore.graphs.runner import KeyReport
+
+
+class Progress:
+    """``key N/M <key> compile Xs capture Ys | elapsed | ETA``, one line per key (redrawn in place on
+    a terminal). The ETA assumes the remaining keys cost the mean so far; keys go largest first, so
+    it errs long."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total = total
+        self.out = out
+        self.start = time.perf_counter()
+        self.tty = out.isatty()
+
+    def __call__(self, index: int, report: KeyReport) -> None:
+        done = index + 1
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done)
+        width = 24
+        filled = width * done // self.total
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] key {done}/{self.total} {report.key} "
+                f"compile {report.compile_s:.1f}s capture {report.capture_s:.2f}s | "
+                f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
+        end = "\n" if not self.tty or done == self.total else ""
+        self.out.write(("\r\x1b[2K" if self.tty else "") + line + end)
+        self.out.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s"
+
+
+def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None = None, progress: bool = True,
+           out: TextIO | None = None, **engine_options) -> dict:
+    """Compiles (and on CUDA captures) every graph key of ``model`` under the graph cache; returns
+    the manifest written. ``engine_options`` are EngineConfig fields (dtype, page_size, graph sizes…):
+    pass the ones the server will use, since they pick the cache."""
+    from encore.engine.model_runner import ModelRunner
+    from encore.models.config import ModelConfig
+
+    out = out if out is not None else sys.stderr
+    start = time.perf_counter()
+    engine_options.setdefault("compile", True)
+    config = EngineConfig(model=str(model), device=device, graph_cache_dir=str(cache_dir) if cache_dir else None,
+                          **engine_options)
+    if not (config.use_compile or config.use_cuda_graphs):
+        raise ValueError("warmup needs compile=True or cuda_graphs=True; both are off")
+    model_config = ModelConfig.from_pretrained(model)
+    runner = ModelRunner(config, model_config, config.max_model_len or model_config.max_position_embeddings)
+    if runner.graphs is None:
+        raise ValueError("no graph key fits max_num_batched_tokens / max_num_seqs; nothing to warm up")
+    bar = Progress(len(runner.graphs.keys), out) if progress else None
+    runner.prepare_graphs(on_key=bar, rewrite_manifest=True)
+    manifest = json.loads(runner.graph_cache.manifest_path.read_text())
+    if progress:
+        out.write(f"warm-up done in {_clock(time.perf_counter() - start)}: {len(manifest['keys'])} keys, graph pool "
+                  f"{manifest['graph_pool_bytes'] / 2**20:.1f} MiB, cache {runner.graph_cache.root}\n")
+    return manifest
+
+
+def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None) -> list[dict]:
+    """Prints every manifest under the cache root (one block per model + configuration); returns them.
+    An unreadable manifest is reported, not raised: ``warmup`` or an engine start rebuilds it."""
+    out = out if out is not None else sys.stdout
+    root = Path(cache_dir) if cache_dir else default_cache_root()
+    manifests = []
+    for path in sorted(root.glob("*/manifest.json")):
+        try:
+            manifest = json.loads(path.read_text())
+            keys, ident = manifest["keys"], manifest["identity"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            out.write(f"{path.parent}: unreadable manifest ({exc}); it will be rebuilt\n")
+            continue
+        manifests.append(manifest)
+        arch = ident.get("model_config", {}).get("architecture", "?")
+        versions = ", ".join(f"{k} {v}" for k, v in ident.get("versions", {}).items())
+        out.write(f"{path.parent.name}  {arch}  {ident.get('device')}  dtype={ident.get('dtype')}  "
+                  f"created {manifest.get('created')}  ({versions})\n")
+        out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'compile_s':>9} "
+                  f"{'capture_s':>9} {'pool_MiB':>8}\n")
+        for k in keys:
+            out.write(f"  {k['mode']:<7} {k['num_extends']:>7} {k['q_len_per_req']:>5} {k['bs']:>5} "
+                      f"{k['num_tokens']:>6} {k['compile_s']:>9.2f} {k['capture_s']:>9.3f} "
+                      f"{k['pool_bytes'] / 2**20:>8.1f}\n")
+        out.write(f"  {len(keys)} keys, {manifest.get('total_s', 0):.1f}s, graph pool "
+                  f"{manifest.get('graph_pool_bytes', 0) / 2**20:.1f} MiB\n")
+    if not manifests:
+        out.write(f"no graph cache manifests under {root}\n")
+    return manifests
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+_SIZE_FLAGS = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
+               "graph_prefill_tokens", "graph_extend_sizes")
+
+
+def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds ``graphs warmup`` and ``graphs list`` to a CLI's subparsers; each sets ``run``."""
+    graphs = subparsers.add_parser("graphs", help="compiled graphs: warm-up and cache listing")
+    commands = graphs.add_subparsers(dest="graphs_command", required=True)
+
+    warm = commands.add_parser("warmup", help="compile and capture every graph key, persist the compile caches")
+    warm.add_argument("--model", required=True, help="HF checkpoint directory")
+    warm.add_argument("--device", default="cuda")
+    warm.add_argument("--cache-dir", default=None, help=f"graph cache root (default {default_cache_root()})")
+    warm.add_argument("--dtype", default=None)
+    warm.add_argument("--page-size", type=int, default=None)
+    warm.add_argument("--max-num-seqs", type=int, default=None)
+    warm.add_argument("--max-num-batched-tokens", type=int, default=None)
+    warm.add_argument("--max-model-len", type=int, default=None)
+    warm.add_argument("--num-kv-pages", type=int, default=None)
+    warm.add_argument("--no-cuda-graphs", action="store_true", help="compile only")
+    for name in _SIZE_FLAGS:
+        warm.add_argument("--" + name.replace("_", "-"), type=_sizes, default=None, metavar="N,N,...")
+    warm.set_defaults(run=_warmup_command)
+
+    listing = commands.add_parser("list", help="print the graph cache manifests")
+    listing.add_argument("--cache-dir", default=None)
+    listing.set_defaults(run=lambda args: 0 if list_manifest(args.cache_dir) is not None else 1)
+    return graphs
+
+
+def _warmup_command(args: argparse.Namespace) -> int:
+    names = ("dtype", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
+             *_SIZE_FLAGS)
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.no_cuda_graphs:
+        options["cuda_graphs"] = False
+    warmup(args.model, device=args.device, cache_dir=args.cache_dir, **options)
+    return 0

@@ -1,0 +1,1 @@
+"""Generated code for the encore.v1 protos (see protos/generate.sh)."""

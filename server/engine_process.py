@@ -1,0 +1,190 @@
+"""The server's handle on the engine process: starts it, sends it commands, routes its outputs.
+
+The process is started with the "spawn" context (a fresh interpreter: no forked CUDA or gRPC
+state). A reader thread blocks on the output queue and hands each message to the event loop with
+``call_soon_threadsafe``, where it is routed to the ``RequestStream`` it belongs to — one wake-up
+per engine step, not per token. The same thread notices when the process has died; every stream
+in flight then fails with INTERNAL and ``failure`` says why, so the server can report NOT_SERVING.
+
+Each submission gets an engine request id of its own (``"<n>:<request_id>"``): a client may reuse
+its request_id as soon as its stream has ended, while the engine may not yet have processed the
+abort of the previous request of that name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from encore.engine import Engine, SamplingParams
+from encore.server.engine_worker import run_engine
+from encore.server.messages import (
+    Abort, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
+)
+from encore.server.request_stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # the reader's check for a dead process while no output arrives
+_JOIN_S = 10.0
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class _Died:
+    """Posted by the reader thread once the process has exited."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+
+class EngineProcess:
+    def __init__(self, engine_kwargs: dict, engine_factory: Callable[..., Engine] = Engine) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._inbox = ctx.Queue()
+        self._outbox = ctx.Queue()
+        # If the process dies with commands unread, exiting must not wait to flush them.
+        self._inbox.cancel_join_thread()
+        self._process = ctx.Process(target=run_engine, args=(engine_kwargs, self._inbox, self._outbox, engine_factory),
+                                    name="encore-engine", daemon=True)
+        self.streams: dict[str, RequestStream] = {}  # in flight, by the client's request id
+        self._routes: dict[str, RequestStream] = {}  # the same, by engine request id
+        self._submissions = itertools.count()
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None
+        self.failure: str | None = None  # set once the process is gone
+        self._fatal: str | None = None
+        self._stopping = False
+        self._on_progress: Callable[[str], None] = lambda message: None
+        self._on_death: Callable[[str], None] = lambda failure: None
+        self._started: asyncio.Future[EngineInfo] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.failure is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    async def start(self, on_progress: Callable[[str], None] = lambda message: None,
+                    on_death: Callable[[str], None] = lambda failure: None) -> EngineInfo:
+        """Spawns the process and waits until it has warmed up. ``on_death`` is called (on the
+        event loop) if it dies later. Raises EngineStartError if it cannot start."""
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
+        self._on_progress, self._on_death = on_progress, on_death
+        self._process.start()
+        threading.Thread(target=self._read, name="encore-engine-reader", daemon=True).start()
+        return await self._started
+
+    def submit(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        stream.engine_id = f"{next(self._submissions)}:{stream.request_id}"
+        self.streams[stream.request_id] = self._routes[stream.engine_id] = stream
+        self._inbox.put(Submit(stream.engine_id, prompt_token_ids, params, stream.arrival))
+
+    def abort(self, stream: RequestStream) -> None:
+        """Aborts in the engine; the stream ends with finish reason "abort" when the engine says so."""
+        if self.failure is None:
+            self._inbox.put(Abort(stream.engine_id))
+
+    def cancel(self, stream: RequestStream) -> None:
+        """The client is gone: forget the stream now and abort in the engine, freeing its pages."""
+        self._forget(stream)
+        self.abort(stream)
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
+        self._routes.pop(stream.engine_id, None)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            self._inbox.put(Shutdown())
+            await asyncio.to_thread(self._process.join, _JOIN_S)
+        if self._process.is_alive():
+            log.warning("engine process %s did not stop in %.0f s; killing it", self._process.pid, _JOIN_S)
+            self._process.kill()
+            await asyncio.to_thread(self._process.join)
+
+    # ---- reader thread ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+                message = _Died(self._process.exitcode)
+            except (EOFError, OSError):
+                message = _Died(self._process.exitcode)
+            try:
+                self._loop.call_soon_threadsafe(self._handle, message)
+            except RuntimeError:
+                return  # the event loop is closed: the server has gone
+            if isinstance(message, _Died):
+                return
+
+    # ---- on the event loop -----------------------------------------------------------------
+
+    def _handle(self, message) -> None:
+        if isinstance(message, StepResult):
+            self.stats = message.stats
+            for delta in message.deltas:
+                stream = self._routes.get(delta.request_id)
+                if stream is None:
+                    continue  # cancelled by its client, or stopped early by a stop string
+                stream.feed(delta)
+                if stream.finished:
+                    self._forget(stream)
+                    if delta.finish_reason is None:
+                        self.abort(stream)  # a stop string ended it before the engine did
+        elif isinstance(message, Rejected):
+            self._fail(message.request_id, grpc.StatusCode.INVALID_ARGUMENT, message.message)
+        elif isinstance(message, StepFailed):
+            for engine_id in message.request_ids:
+                self._fail(engine_id, grpc.StatusCode.INTERNAL,
+                           f"the engine failed while running this request ({message.message}); "
+                           f"it was aborted and the server goes on serving")
+        elif isinstance(message, Progress):
+            self._on_progress(message.message)
+        elif isinstance(message, Ready):
+            self.info, self.stats = message.info, message.stats
+            if not self._started.done():  # done: start() was cancelled (shutdown during warm-up)
+                self._started.set_result(message.info)
+        elif isinstance(message, Fatal):
+            self._fatal = message.message
+        elif isinstance(message, _Died):
+            self._died(message.exitcode)
+
+    def _fail(self, engine_id: str, code: grpc.StatusCode, message: str) -> None:
+        stream = self._routes.get(engine_id)
+        if stream is not None:
+            self._forget(stream)
+            stream.fail(code, message)
+
+    def _died(self, exitcode: int | None) -> None:
+        self.failure = f"the engine process died (exit code {exitcode})"
+        if self._fatal:
+            self.failure += f": {self._fatal}"
+        if not self._started.done():
+            self._started.set_exception(EngineStartError(self.failure))
+            return
+        if self._stopping:
+            return
+        log.error("%s; the server is NOT_SERVING", self.failure)
+        for engine_id in list(self._routes):
+            self._fail(engine_id, grpc.StatusCode.INTERNAL, f"{self.failure}; the server is NOT_SERVING")
+        self._on_death(self.failure)

@@ -1,0 +1,168 @@
+"""The engine process: builds the Engine, then steps it for as long as it has work.
+
+Commands arrive on ``inbox`` and are applied between steps: the loop waits for one only while the
+engine is idle, and otherwise takes whatever has arrived without blocking, so request handling
+never stalls a step. Each step's outputs leave on ``outbox`` as one ``StepResult``;
+``multiprocessing.Queue.put`` hands the pickling and the pipe write to a feeder thread, so a slow
+reader in the server never blocks the loop either.
+
+The engine runs with ``detokenize=False``: the server process tokenizes prompts, detokenizes
+the streamed ids and matches stop strings (see ``request_stream``), which keeps that Python work
+off the step loop. The engine still stops on EOS, stop token ids and length by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import queue
+import signal
+import time
+from collections.abc import Callable
+
+from encore.engine import Engine, RequestOutput, SamplingParams
+from encore.engine.request import RequestStatus
+from encore.server.messages import (
+    Abort, Delta, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # how often an idle engine checks that the server process is still alive
+
+
+def run_engine(engine_kwargs: dict, inbox: multiprocessing.Queue, outbox: multiprocessing.Queue,
+               engine_factory: Callable[..., Engine] = Engine) -> None:
+    """Entry point of the spawned engine process."""
+    # Ctrl-C reaches the whole process group; the server shuts the engine down with a Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="encore engine: %(levelname)s %(message)s")
+    try:
+        outbox.put(Progress(f"loading {engine_kwargs.get('model')} and preparing its graphs"))
+        engine = engine_factory(**engine_kwargs, detokenize=False)  # the server detokenizes (module docstring)
+        outbox.put(Progress("warming up (one prefill and one decode step)"))
+        engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    except Exception as exc:
+        log.exception("engine start failed")
+        outbox.put(Fatal(f"engine start failed: {type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    outbox.put(Ready(engine_info(engine), engine_stats(engine)))
+    try:
+        EngineLoop(engine, inbox, outbox).run()
+    except Exception as exc:
+        log.exception("engine loop failed")
+        outbox.put(Fatal(f"{type(exc).__name__}: {exc}"))
+        raise
+    if orphaned():
+        outbox.cancel_join_thread()  # its pipe may be full and never read: exit without flushing it
+
+
+def orphaned() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    cfg = engine.model_config
+    return EngineInfo(
+        model=engine.config.model, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+        max_model_len=engine.max_model_len, num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        max_num_seqs=engine.config.max_num_seqs, page_size=engine.config.page_size,
+        engine_config={k: str(v) for k, v in dataclasses.asdict(engine.config).items()},
+    )
+
+
+def engine_stats(engine: Engine) -> EngineStats:
+    stats = engine.stats()
+    steps = dict(stats["steps"])
+    # Read with defaults what not every engine build reports: the graph runner's counters (without
+    # it every step is eager), its captured keys, and speculative decoding's counts (not yet).
+    return EngineStats(
+        steps=steps, kv_pages_free=stats["kv_pages_free"], kv_pages_total=stats["kv_pages_total"],
+        running=stats["running"], waiting=stats["waiting"], preemptions=stats["preemptions"],
+        graph_replays=stats.get("graph_replays", 0), compiled_steps=stats.get("compiled_steps", 0),
+        eager_steps=stats.get("eager_steps", sum(steps.values())), graph_keys=tuple(stats.get("graph_keys", ())),
+        spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
+    )
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, inbox: multiprocessing.Queue, outbox: multiprocessing.Queue) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.unscheduled: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        self.queue_times: dict[str, float] = {}  # measured, until sent with the request's next delta
+
+    def run(self) -> None:
+        while self._take_commands(block=not self.engine.has_unfinished_requests()):
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed")
+                outputs = self._abort_all(f"{type(exc).__name__}: {exc}")
+            self._note_scheduled()
+            self.outbox.put(StepResult([self._delta(o) for o in outputs], engine_stats(self.engine)))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Applies the commands that have arrived, waiting for one if ``block``. False on Shutdown,
+        or once the server process is gone (nobody would read the outputs)."""
+        while True:
+            try:
+                command = self.inbox.get(timeout=_IDLE_POLL_S) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if orphaned():
+                    return False
+                if not block:
+                    return True
+                continue
+            block = False
+            if isinstance(command, Shutdown):
+                return False
+            self._apply(command)
+
+    def _apply(self, command: Submit | Abort) -> None:
+        if isinstance(command, Abort):
+            self.engine.abort(command.request_id)
+            self.unscheduled.pop(command.request_id, None)
+            self.queue_times.pop(command.request_id, None)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except ValueError as exc:
+            self.outbox.put(Rejected(command.request_id, str(exc)))
+            return
+        self.unscheduled[command.request_id] = command.arrival
+
+    def _abort_all(self, message: str) -> list[RequestOutput]:
+        """After a failed step: aborts every request (its state may be half-updated) and flushes the
+        aborts, which frees their pages. If even that fails the engine cannot recover: it raises."""
+        request_ids = list(self.engine.requests)
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        self.outbox.put(StepFailed(request_ids, message))
+        return self.engine.step()
+
+    def _note_scheduled(self) -> None:
+        """Measures queue time: a request leaves the queue at the first step that schedules it."""
+        now = time.monotonic()
+        for request_id, arrival in list(self.unscheduled.items()):
+            req = self.engine.requests.get(request_id)
+            if req is None or req.status is not RequestStatus.WAITING:
+                self.queue_times[request_id] = now - arrival
+                del self.unscheduled[request_id]
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        n = len(out.new_token_ids)
+        return Delta(
+            request_id=out.request_id,
+            token_ids=list(out.new_token_ids),
+            logprobs=out.logprobs[len(out.logprobs) - n:] if out.logprobs is not None else None,
+            finish_reason=out.finish_reason if out.finished else None,
+            queue_time=self.queue_times.pop(out.request_id, None),
+        )

@@ -1,0 +1,134 @@
+"""What crosses the boundary between the server process and the engine process.
+
+Commands go in (``Submit``, ``Abort``, ``Shutdown``); the engine process answers with start-up
+``Progress``, then ``Ready``, then one ``StepResult`` per engine step, plus ``Rejected`` /
+``StepFailed`` for requests the engine could not take or run, and ``Fatal`` before it exits on an
+error. Only the new tokens of
+a step travel (never a request's cumulative lists), so a message's size does not grow with the
+output length. All are plain picklable dataclasses. A ``request_id`` here is the engine's id of a
+submission (see ``EngineProcess.submit``), not necessarily the client's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from encore.engine.request import TokenLogprob
+from encore.engine.sampling_params import SamplingParams
+
+# ---- server -> engine --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.monotonic() when the server received it (one clock for both processes)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+# ---- engine -> server --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server needs to know about the engine, found once it has loaded."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    eos_token_ids: tuple[int, ...]
+    max_num_seqs: int
+    page_size: int
+    engine_config: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's counters after a step. Steps are graph replays (a captured CUDA graph),
+    compiled steps (the compiled callable, no graph captured for the key) or eager steps."""
+
+    steps: dict[str, int]  # by forward mode
+    kv_pages_free: int
+    kv_pages_total: int
+    running: int
+    waiting: int
+    preemptions: int
+    graph_replays: int
+    compiled_steps: int
+    eager_steps: int
+    graph_keys: tuple[tuple[int, int, int, int], ...] = ()  # (num_extends, q_len_per_req, bs, num_tokens)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_pages_free / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: EngineInfo
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    """The engine process cannot go on (it failed to start, or could not recover from a failed
+    step) and is about to exit; ``message`` says why."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One request's share of a step: its new tokens, and whether it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    queue_time: float | None = None  # seconds from arrival to its first scheduled step, sent once
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    deltas: list[Delta]
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The engine refused a request the server had accepted (``add_request`` raised ValueError)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailed:
+    """A step raised: these requests were aborted in the engine and their streams must fail."""
+
+    request_ids: list[str]
+    message: str

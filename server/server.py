@@ -1,0 +1,122 @@
+"""The gRPC server: generation service, health, reflection, API key, TLS, message limits, metrics.
+
+``start()`` listens at once with health NOT_SERVING, so probes and clients get an answer while the
+engine loads; ``start_engine()`` spawns the engine process and turns health to SERVING once it has
+warmed up. If the engine process dies later, health goes back to NOT_SERVING and the server keeps
+answering: in-flight calls fail with INTERNAL, new ones get UNAVAILABLE, both saying it died; info
+and health calls still work so operators can see why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from encore.engine import Engine
+from encore.engine.engine import load_tokenizer
+from encore.server.auth import ApiKeyInterceptor
+from encore.server.config import ServerConfig
+from encore.server.engine_process import EngineProcess
+from encore.server.messages import EngineInfo
+from encore.server.metrics import ServerMetrics, start_metrics_server
+from encore.server.servicer import SERVICE_NAME, GenerationServicer, method_handlers
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class EncoreServer:
+    def __init__(self, config: ServerConfig, engine_kwargs: dict,
+                 engine_factory: Callable[..., Engine] = Engine) -> None:
+        self.config = config
+        self.engine = EngineProcess(engine_kwargs, engine_factory)
+        self.tokenizer = load_tokenizer(Path(engine_kwargs["model"]))
+        self.metrics = ServerMetrics()
+        self.servicer = GenerationServicer(config, self.engine, self.tokenizer, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None  # bound, once listening
+        self.metrics_port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics_server: asyncio.Server | None = None
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        return _address(self.config.host, self.port)
+
+    async def start(self) -> None:
+        """Listens (health NOT_SERVING until ``start_engine`` has finished)."""
+        cfg = self.config
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            # gRPC sets SO_REUSEPORT by default on Linux: a second server would silently share the port.
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        server = grpc.aio.server(interceptors=interceptors, options=options)
+        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        await self._set_health(NOT_SERVING)
+        address = _address(cfg.host, cfg.port)
+        if cfg.tls:
+            key_and_chain = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
+            credentials = grpc.ssl_server_credentials([key_and_chain])
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
+        if not self.port:
+            raise RuntimeError(f"could not listen on {address}")
+        self.servicer.port = self.port
+        await server.start()
+        self._grpc = server
+        if cfg.metrics_port is not None:
+            self._metrics_server = await start_metrics_server(cfg.host, cfg.metrics_port, self.render_metrics)
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+
+    async def start_engine(self, on_progress: Callable[[str], None] = lambda message: None) -> EngineInfo:
+        """Spawns the engine process, waits for its warm-up, then reports SERVING.
+        Raises EngineStartError if it cannot start."""
+        info = await self.engine.start(on_progress, on_death=self._engine_died)
+        await self._set_health(SERVING)
+        return info
+
+    async def stop(self) -> None:
+        """NOT_SERVING, then lets running streams finish for the grace period, then stops the engine."""
+        await self._set_health(NOT_SERVING)
+        if self._grpc is not None:
+            await self._grpc.stop(self.config.shutdown_grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            await self._metrics_server.wait_closed()
+        await self.engine.stop()
+        self.servicer.close()
+
+    async def wait_for_termination(self) -> None:
+        await self._grpc.wait_for_termination()
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.engine.stats, len(self.engine.streams), self.engine.ready)
+
+    def _engine_died(self, failure: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,84 @@
+"""`graphs warmup` / `graphs list` and the graph cache: manifest, progress, stale and corrupt caches."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+
+import pytest
+
+from encore.engine.config import EngineConfig
+from encore.graphs.cache import GraphCache
+from encore.graphs.keys import GraphKey
+from encore.graphs.runner import KeyReport
+from encore.graphs.warmup import add_graphs_subcommands, list_manifest
+from encore.models.config import ModelConfig
+
+
+def test_warmup_compiles_every_key_with_progress_and_writes_the_manifest(v3_warm_cache):
+    cache_dir, manifest, progress = v3_warm_cache
+    assert [(k["mode"], k["bs"], k["num_tokens"]) for k in manifest["keys"]] == [
+        ("MIXED", 5, 12), ("EXTEND", 2, 8), ("DECODE", 4, 4)]  # largest first
+    assert all(k["compile_s"] > 0 and k["capture_s"] == 0 for k in manifest["keys"])  # CPU: nothing captured
+    assert manifest["identity"]["versions"]["torch"]
+    for n in (1, 2, 3):
+        assert f"key {n}/3" in progress
+    assert "ETA" in progress and "elapsed" in progress and "warm-up done" in progress
+    (entry,) = cache_dir.iterdir()
+    assert (entry / "inductor").is_dir() and any((entry / "inductor").iterdir())
+
+
+def test_list_prints_each_key(v3_warm_cache):
+    cache_dir, manifest, _ = v3_warm_cache
+    out = io.StringIO()
+    assert list_manifest(cache_dir, out=out) == [manifest]
+    text = out.getvalue()
+    assert "DeepseekV3ForCausalLM" in text and "3 keys" in text
+    assert sum(line.strip().startswith(("MIXED", "EXTEND", "DECODE")) for line in text.splitlines()) == 3
+
+
+@pytest.fixture
+def small_cache(v3_dir, tmp_path):
+    """A graph cache with a manifest and a (fake) artifact, made without compiling anything."""
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir))
+    cache.inductor_dir.mkdir(parents=True)
+    (cache.inductor_dir / "artifact").write_text("x")
+    cache.write_manifest([KeyReport(GraphKey(0, 1, 4, 4), 1.5, 0.0, 0)])
+    return cache
+
+
+def test_sound_cache_is_used(small_cache):
+    assert small_cache.read_manifest()["keys"][0]["bs"] == 4
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda c: c.manifest_path.write_text("{ truncated"), "unreadable manifest"),
+    (lambda c: c.manifest_path.write_text(json.dumps({**json.loads(c.manifest_path.read_text()), "format": 0})),
+     "manifest format 0"),
+    (lambda c: c.manifest_path.write_text(json.dumps(
+        {**json.loads(c.manifest_path.read_text()), "identity": {"versions": {"torch": "1.0"}}})), "another model"),
+    (lambda c: (c.inductor_dir / "artifact").unlink(), "compile artifacts are missing"),
+])
+def test_stale_or_corrupt_cache_is_deleted_with_a_warning(small_cache, damage, reason, caplog):
+    damage(small_cache)
+    with caplog.at_level(logging.WARNING, logger="encore.graphs.cache"):
+        assert small_cache.read_manifest() is None
+    assert reason in caplog.text and "rebuilding" in caplog.text
+    assert not small_cache.root.exists()
+
+
+def test_cli_subcommands_parse_and_list(v3_warm_cache, capsys):
+    cache_dir, _, _ = v3_warm_cache
+    parser = argparse.ArgumentParser(prog="encore")
+    add_graphs_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["graphs", "warmup", "--model", "m", "--device", "cpu",
+                              "--graph-decode-sizes", "1,2,4", "--page-size", "8"])
+    assert args.graph_decode_sizes == (1, 2, 4) and args.page_size == 8 and callable(args.run)
+    args = parser.parse_args(["graphs", "list", "--cache-dir", str(cache_dir)])
+    assert args.run(args) == 0
+    assert "3 keys" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["graphs", "warmup", "--model", "m", "--graph-decode-sizes", "1,x"])

@@ -1,0 +1,54 @@
+"""Compiled steps (Inductor on the CPU, passes on) give the eager engine's greedy tokens through
+EXTEND, MIXED and DECODE steps, padded to their keys; steps that fit no key run eager."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch._dynamo.utils import counters
+
+from encore.backends.metadata import ForwardMode
+from encore.engine import Engine
+from graph_helpers import SMALL_KEYS, STAGGERED, staggered
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(checkpoint):
+    return {kind: staggered(Engine(str(checkpoint(kind)), device="cpu", **STAGGERED)) for kind in ("v2_lite", "v3")}
+
+
+def check_compiled_run(engine: Engine, want: dict[str, list[int]]) -> None:
+    got = staggered(engine)
+    assert got == want
+    stats = engine.stats()
+    assert stats["compiled_keys"] == 3 and stats["recompiles"] == 0, stats
+    assert stats["compiled_steps"] > 0 and stats["eager_steps"] > 0 and stats["graph_replays"] == 0, stats
+    assert stats["compiled_steps"] + stats["eager_steps"] == sum(stats["steps"].values())
+    used = engine.runner.graphs.steps_per_key
+    assert {k.mode for k, n in used.items() if n} == {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE}
+
+
+def test_v2_lite_cold_compile_matches_eager(checkpoint, eager_tokens, tmp_path):
+    engine = Engine(str(checkpoint("v2_lite")), device="cpu", compile=True, graph_cache_dir=str(tmp_path),
+                    **STAGGERED, **SMALL_KEYS)
+    check_compiled_run(engine, eager_tokens["v2_lite"])
+    manifest = json.loads(engine.runner.graph_cache.manifest_path.read_text())
+    assert len(manifest["keys"]) == 3  # a cold engine start leaves a manifest like a warm-up does
+
+
+def test_v3_warm_start_reuses_the_warmup_cache_and_matches_eager(v3_dir, v3_warm_cache, eager_tokens):
+    cache_dir, manifest, _ = v3_warm_cache
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(cache_dir), **STAGGERED, **SMALL_KEYS)
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 3  # every key's graph came from the cache
+    assert json.loads(engine.runner.graph_cache.manifest_path.read_text()) == manifest  # the warm-up's record
+    check_compiled_run(engine, eager_tokens["v3"])
+
+
+def test_compile_off_runs_every_step_eager(v3_dir):
+    engine = Engine(str(v3_dir), device="cpu", compile=False, **STAGGERED)
+    assert engine.runner.graphs is None
+    staggered(engine)
+    stats = engine.stats()
+    assert stats["eager_steps"] == sum(stats["steps"].values()) and stats["compiled_keys"] == 0

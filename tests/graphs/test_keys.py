@@ -1,0 +1,66 @@
+"""Graph keys: which keys the buckets make, and which key a step runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+from encore.backends.metadata import ForwardMode
+from encore.graphs.keys import GraphKey, KeyTable, build_keys
+
+
+class Step:
+    """The fields of a ForwardBatch a key looks at."""
+
+    def __init__(self, num_extends: int, extend_tokens: int, num_decodes: int, q_len: int = 1) -> None:
+        self.num_extends = num_extends
+        self.q_len_per_req = q_len
+        self.bs = num_extends + num_decodes
+        self.num_decodes = num_decodes
+        self.num_extend_tokens = extend_tokens
+        self.num_tokens = extend_tokens + num_decodes * q_len
+        self.mode = ForwardMode.of(num_extends, self.bs)
+
+
+def test_buckets_make_decode_mixed_and_extend_keys_within_the_budget():
+    keys = build_keys(decode_sizes=(1, 2, 64), q_lens=(1, 3), mixed_extends=(1,), mixed_decode_sizes=(4,),
+                      prefill_tokens=(8, 128), extend_sizes=(1, 2), max_tokens=130, max_rows=32)
+    decode = {k for k in keys if k.mode is ForwardMode.DECODE}
+    assert decode == {GraphKey(0, 1, 1, 1), GraphKey(0, 1, 2, 2), GraphKey(0, 3, 1, 3), GraphKey(0, 3, 2, 6)}
+    mixed = {k for k in keys if k.mode is ForwardMode.MIXED}
+    assert mixed == {GraphKey(1, 1, 5, 12), GraphKey(1, 3, 5, 20)}  # the 128-token bucket exceeds the budget
+    extend = {k for k in keys if k.mode is ForwardMode.EXTEND}
+    assert extend == {GraphKey(1, 1, 1, 8), GraphKey(2, 1, 2, 8), GraphKey(1, 1, 1, 128), GraphKey(2, 1, 2, 128)}
+    assert [k.num_tokens for k in keys] == sorted((k.num_tokens for k in keys), reverse=True)  # largest first
+
+
+def test_step_runs_on_the_smallest_key_of_its_mode_that_holds_it():
+    table = KeyTable([GraphKey(0, 1, 4, 4), GraphKey(0, 1, 8, 8), GraphKey(1, 1, 5, 12), GraphKey(1, 1, 9, 40),
+                      GraphKey(1, 1, 1, 8), GraphKey(0, 3, 4, 12)])
+    assert table.find(Step(0, 0, 3)) == GraphKey(0, 1, 4, 4)
+    assert table.find(Step(0, 0, 5)) == GraphKey(0, 1, 8, 8)
+    assert table.find(Step(0, 0, 9)) is None  # more decode rows than any key
+    assert table.find(Step(0, 0, 2, q_len=3)) == GraphKey(0, 3, 4, 12)
+    assert table.find(Step(0, 0, 2, q_len=2)) is None  # no key with that q_len
+    assert table.find(Step(1, 6, 3)) == GraphKey(1, 1, 5, 12)
+    assert table.find(Step(1, 9, 3)) == GraphKey(1, 1, 9, 40)  # prefill tokens past the small bucket
+    assert table.find(Step(2, 6, 3)) is None  # num_extends is never padded
+    assert table.find(Step(1, 5, 0)) == GraphKey(1, 1, 1, 8)  # EXTEND never runs on a MIXED key
+
+
+@pytest.mark.parametrize("fields, message", [
+    ((3, 1, 2, 8), "num_extends <= bs"),
+    ((0, 0, 2, 2), "q_len_per_req must be >= 1"),
+    ((2, 1, 3, 2), "leaves 1 prefill tokens for 2 prefill rows"),
+])
+def test_bad_keys_are_refused_with_the_reason(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GraphKey(*fields)
+
+
+def test_speculative_decoding_adds_verify_keys():
+    from encore.engine.config import EngineConfig
+    from encore.graphs.keys import keys_for
+
+    config = EngineConfig(model="m", device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 3},
+                          graph_decode_sizes=(2,), graph_mixed_extends=(), graph_extend_sizes=())
+    assert set(keys_for(config)) == {GraphKey(0, 1, 2, 2), GraphKey(0, 4, 2, 8)}

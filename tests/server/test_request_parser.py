@@ -1,0 +1,130 @@
+"""RequestParser without a server: defaults, explicit zeros, and a message naming each bad field."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from encore.engine.engine import load_tokenizer
+from encore.protos.encore.v1 import generate_pb2 as pb
+from encore.server.client import build_request
+from encore.server.request_parser import RequestError, RequestParser
+
+VOCAB, MAX_LEN = 320, 64
+
+
+@pytest.fixture(scope="module")
+def parser(v3_dir):
+    parser = RequestParser(load_tokenizer(v3_dir), VOCAB, MAX_LEN)
+    yield parser
+    parser.close()
+
+
+def parse(parser: RequestParser, request: pb.GenerateRequest):
+    return asyncio.run(parser.parse(request))
+
+
+def error(parser: RequestParser, request: pb.GenerateRequest) -> RequestError:
+    with pytest.raises(RequestError) as err:
+        parse(parser, request)
+    return err.value
+
+
+def test_unset_options_take_defaults_and_explicit_zeros_are_kept(parser):
+    parsed = parse(parser, build_request([5, 6, 7]))
+    assert parsed.prompt_token_ids == [5, 6, 7]
+    assert parsed.params.temperature == 1.0 and parsed.params.logprobs is None
+    assert parsed.params.max_tokens == MAX_LEN - 3  # until the context is full
+    parsed = parse(parser, build_request([5], temperature=0.0, top_k=0, logprobs=0, seed=0, max_tokens=7))
+    assert (parsed.params.temperature, parsed.params.logprobs, parsed.params.seed) == (0.0, 0, 0)
+    assert parsed.params.max_tokens == 7
+
+
+def test_text_is_tokenized_like_the_engine_does(parser, reference):
+    parsed = parse(parser, build_request("def fibonacci(n):", stop=["\n"]))
+    assert parsed.prompt_token_ids == reference.tokenizer.encode("def fibonacci(n):")
+    assert parsed.params.stop == ("\n",)
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    (dict(temperature=-1.0), "sampling.temperature"),
+    (dict(temperature=float("nan")), "sampling.temperature"),
+    (dict(top_p=0.0), "sampling.top_p"),
+    (dict(top_p=float("inf")), "sampling.top_p"),
+    (dict(min_p=1.5), "sampling.min_p"),
+    (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(presence_penalty=2.5), "sampling.presence_penalty"),
+    (dict(frequency_penalty=-3.0), "sampling.frequency_penalty"),
+    (dict(seed=2**63), "sampling.seed"),
+    (dict(max_tokens=0), "stopping.max_tokens"),
+    (dict(stop=[""]), "stopping.stop"),
+    (dict(stop=["x"] * 17), "stopping.stop"),
+    (dict(stop=["x" * 257]), "stopping.stop[0]"),
+    (dict(stop_token_ids=[VOCAB]), "stopping.stop_token_ids"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(request_id="x" * 129), "request_id"),
+    (dict(request_id="a\nb"), "request_id"),
+])
+def test_bad_option_is_invalid_argument_naming_the_field(parser, options, field):
+    err = error(parser, build_request([5], **options))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message.startswith(field), err.message
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(text=""), "text"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, VOCAB + 5])), "token_ids.ids[2]"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * MAX_LEN)), "token_ids.ids"),
+    (pb.GenerateRequest(text="fox " * MAX_LEN), "the prompt has"),
+], ids=["none", "empty-text", "empty-ids", "bad-id", "long-ids", "long-text"])
+def test_bad_prompt_is_invalid_argument(parser, request_, field):
+    err = error(parser, request_)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message.startswith(field), err.message
+
+
+def test_text_needs_a_tokenizer():
+    parser = RequestParser(None, VOCAB, MAX_LEN)
+    assert error(parser, pb.GenerateRequest(text="hi")).message.startswith("text: the model directory has no tokenizer")
+    assert parse(parser, build_request([1, 2])).prompt_token_ids == [1, 2]
+    parser.close()
+
+
+@pytest.mark.parametrize(("kind", "source", "valid"), [
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', True),
+    ("json_schema", "true", True),
+    ("json_schema", "{not json", False),
+    ("json_schema", '{},"]', False),
+    ("json_schema", "[1, 2]", False),
+    ("json_schema", '{"type": 5}', False),
+    ("json_schema", '{"$ref": "#/missing"}', False),
+    ("regex", "[a-z]+@[a-z]+\\.com", True),
+    ("regex", "[a-", False),
+    ("regex", "(unclosed", False),
+    ("regex", "", False),
+    ("ebnf", 'root ::= "yes" | "no"', True),
+    ("ebnf", "root ::= ", False),
+    ("ebnf", 'other ::= "x"', False),
+])
+def test_grammar_is_checked_before_unimplemented(parser, kind, source, valid):
+    request = build_request([5])
+    setattr(request.response_format, kind, source)
+    err = error(parser, request)
+    if valid:
+        assert err.code == grpc.StatusCode.UNIMPLEMENTED and "not supported by the engine yet" in err.message
+    else:
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.message.startswith(f"response_format.{kind}")
+
+
+def test_json_object_and_speculative_are_unimplemented_but_false_and_empty_are_fine(parser):
+    request = build_request([5])
+    request.response_format.json_object.SetInParent()
+    assert error(parser, request).code == grpc.StatusCode.UNIMPLEMENTED
+    assert error(parser, pb.GenerateRequest(text="x", speculative=True)).code == grpc.StatusCode.UNIMPLEMENTED
+    request = pb.GenerateRequest(text="x", speculative=False)
+    request.response_format.SetInParent()  # set but empty: constrains nothing
+    assert parse(parser, request).prompt_token_ids
