@@ -130,7 +130,7 @@ def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.A
     commands = graphs.add_subparsers(dest="graphs_command", required=True)
 
     warm = commands.add_parser("warmup", help="compile and capture every graph key, persist the compile caches")
-    warm.add_argument("--model", required=True, help="HF checkpoint directory")
+    warm.add_argument("--model", help="HF checkpoint directory (default: the embedded encore-tiny)")
     warm.add_argument("--device", default="cuda")
     warm.add_argument("--cache-dir", default=None, help=f"graph cache root (default {default_cache_root()})")
     warm.add_argument("--dtype", default=None)
@@ -156,5 +156,7 @@ def _warmup_command(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
-    warmup(args.model, device=args.device, cache_dir=args.cache_dir, **options)
+    from encore.models.tiny import default_model_dir
+
+    warmup(args.model or str(default_model_dir()), device=args.device, cache_dir=args.cache_dir, **options)
     return 0

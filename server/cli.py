@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     _add_engine_args(generate)
     generate.set_defaults(run=_generate)
+
+    from encore.graphs.warmup import add_graphs_subcommands
+
+    add_graphs_subcommands(commands)
     return parser
 
 
@@ -79,10 +83,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=int)
     group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,
                        help="run prefill-only and decode-only steps")
+    group.add_argument("--no-compile", dest="compile", action="store_false", default=None,
+                       help="run the model eagerly (default: compiled on CUDA)")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                       help="do not capture CUDA graphs (default: captured on CUDA)")
+    group.add_argument("--speculative-method", choices=("mtp", "ngram"),
+                       help="speculative decoding with the checkpoint's MTP layer or n-gram lookup")
+    group.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step (default: %(default)s)")
 
 
 _ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
-                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch")
+                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch", "compile",
+                "cuda_graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -90,6 +102,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
     kwargs = {"model": args.model or str(default_model_dir()), "device": args.device}
     kwargs.update({name: getattr(args, name) for name in _ENGINE_ARGS if getattr(args, name) is not None})
+    if args.speculative_method:
+        kwargs["speculative"] = {"method": args.speculative_method,
+                                 "num_speculative_tokens": args.num_speculative_tokens}
     return kwargs
 
 

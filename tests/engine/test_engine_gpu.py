@@ -37,3 +37,19 @@ def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     alone = engine.generate([PROMPTS[0]], params)[0].token_ids
     crowd = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1].token_ids
     assert alone == crowd and len(alone) == 16
+
+
+@pytest.mark.parametrize("method,k", [("mtp", 2), ("ngram", 3)])
+def test_cuda_graph_speculative_greedy_matches_plain(method, k):
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    small_keys = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
+                      graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+    plain = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=False)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=True,
+                  speculative={"method": method, "num_speculative_tokens": k}, **small_keys)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    stats = spec.stats()
+    assert stats["graph_replays"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
