@@ -106,6 +106,10 @@ class GraphRunner:
         torch.cuda.synchronize()
 
     def _capture(self, key: GraphKey, static: ForwardBatch) -> tuple[float, int]:
+        # torch.cuda.graph() empties the allocator's cache on entry: empty it first so the
+        # difference in reserved memory is the pool's growth alone.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
