@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import json
 import logging
 import random
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from encore.engine.config import EngineConfig
 from encore.engine.detokenizer import IncrementalDetokenizer
+from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitmask
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelRunner
 from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
@@ -68,6 +70,7 @@ class Engine:
         spec = self.config.speculative
         self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompilerPool | None = None
         self._aborted: list[Request] = []
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
@@ -93,9 +96,20 @@ class Engine:
         params.check_vocab(self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer if self.config.detokenize else None, prompt_ids, params.stop)
-        req = Request(request_id, prompt_ids, params, seed, detok)
+        spec = params.grammar
+        grammar = RequestGrammar(self._grammar_pool().submit(spec)) if spec is not None else None
+        req = Request(request_id, prompt_ids, params, seed, detok, grammar=grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _grammar_pool(self) -> GrammarCompilerPool:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output (json_schema/regex/ebnf/json_object) needs the model's "
+                                 "tokenizer, and the model directory has none")
+            self._grammars = GrammarCompilerPool(self.tokenizer, self.model_config.vocab_size,
+                                                 sorted(self.eos_token_ids))
+        return self._grammars
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -145,7 +159,14 @@ class Engine:
             spec.prepare(step)
         batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
         self._steps[batch.mode.value] += 1
-        results = spec.run(step, batch, sampled) if spec is not None else self._sample(batch, sampled)
+        if spec is not None:
+            groups = [(r.grammar, []) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
+            groups += [(r.grammar, r.draft_token_ids) for r in step.decodes]
+        else:
+            groups = [(r.grammar, []) for r in sampled]
+        vocab = self.model_config.vocab_size
+        masks = partial(step_bitmask, groups, vocab)  # built on the host while the device runs the forward
+        results = spec.run(step, batch, sampled, masks) if spec is not None else self._sample(batch, sampled, masks)
         for req, n in step.extends:
             req.num_computed += n
         for res in results[len(results) - len(step.decodes):]:
@@ -153,11 +174,11 @@ class Engine:
         outputs.extend(self._commit(results))
         return outputs
 
-    def _sample(self, batch, sampled: list[Request]) -> list[RowResult]:
+    def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:
         sampling = SamplingTensors.build(
             [r.params for r in sampled], [r.seed for r in sampled], [r.num_output_tokens for r in sampled],
             [r.prompt_token_ids for r in sampled], [r.output_token_ids for r in sampled], self.runner.device)
-        result = self.runner.run(batch, sampling)
+        result = self.runner.run(batch, sampling, masks)
         token_ids = result.token_ids.tolist()
         logprobs = None
         if result.logprobs is not None:
@@ -187,6 +208,8 @@ class Engine:
                     req.logprobs.append(res.logprobs[i])
                 stop_string = req.detokenizer.add([token]) if token not in self.eos_token_ids else None
                 reason = self._finish_reason(req, token, stop_string)
+                if req.grammar is not None and req.grammar.accept([token]) and reason is None:
+                    reason = "stop"  # the grammar has terminated
                 if reason is not None:
                     self._finish(req, reason)
                     break

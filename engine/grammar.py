@@ -29,7 +29,8 @@ class GrammarSpec:
     def parse(self) -> xgr.Grammar:
         try:
             if self.kind == "json_schema":
-                return xgr.Grammar.from_json_schema(self.source)
+                # Compact JSON: with free whitespace a weak model can emit blanks until max_tokens.
+                return _strict_strings(xgr.Grammar.from_json_schema(self.source, any_whitespace=False))
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.source)
             if self.kind == "ebnf":
@@ -52,7 +53,7 @@ def grammar_spec(json_schema: str | dict | None, regex: str | None, ebnf: str | 
         return None
     kind, value = next(iter(given.items()))
     if kind == "json_schema" and isinstance(value, dict):
-        value = json.dumps(value, sort_keys=True)
+        value = json.dumps(value)  # key order kept: it is the order properties are generated in
     elif kind == "json_schema" and isinstance(value, str):
         try:  # strictly: xgrammar's parser accepts trailing garbage after a valid prefix
             json.loads(value)
@@ -61,6 +62,17 @@ def grammar_spec(json_schema: str | dict | None, regex: str | None, ebnf: str | 
     if kind != "json_object" and (not isinstance(value, str) or not value.strip()):
         raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
     return GrammarSpec(kind, value)
+
+
+# xgrammar 0.2.8 writes the characters of length-bounded JSON strings as [^"\\\r\n], which lets raw
+# control characters (invalid inside JSON strings) through; JSON's own class is [^"\\\0-\x1f].
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\"\\\0-\x1f]'
+
+
+def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
 
 
 def _strip_location(message: str) -> str:
@@ -116,8 +128,10 @@ class RequestGrammar:
         matcher = self.matcher
         accepted = 0
         for i in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break  # a draft ended the grammar: the request stops there, later rows are unused
             matcher.fill_next_token_bitmask(bitmask, row + i)
-            if i == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[i]):
+            if i == len(drafts) or not matcher.accept_token(drafts[i]):
                 break
             accepted += 1
         if accepted:
@@ -142,3 +156,18 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets disallowed tokens' logits to -inf in place (bitmask already on logits' device)."""
     xgr.apply_token_bitmask_inplace(logits, bitmask)
+
+
+def step_bitmask(groups: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int) -> torch.Tensor | None:
+    """The step's mask, one row per logits row in step-layout order: each group is a request's
+    grammar (None: unconstrained, all allowed) and the drafts its rows verify ([] for one row).
+    None when no row is constrained."""
+    if all(g is None for g, _ in groups):
+        return None
+    bitmask = allocate_bitmask(sum(len(d) + 1 for _, d in groups), vocab_size)
+    row = 0
+    for grammar, drafts in groups:
+        if grammar is not None:
+            grammar.fill(bitmask, row, drafts)
+        row += len(drafts) + 1
+    return bitmask

@@ -13,6 +13,7 @@ from encore.backends.context import StepContext
 from encore.backends.metadata import ForwardBatch
 from encore.backends.torch_backend import TorchAttentionBackend
 from encore.engine.config import EngineConfig
+from encore.engine.grammar import apply_bitmask
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from encore.graphs.cache import GraphCache
@@ -171,6 +172,15 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, sampling: SamplingTensors) -> SamplerOutput:
+    def run(self, batch: ForwardBatch, sampling: SamplingTensors,
+            masks: Callable[[], torch.Tensor | None] | None = None) -> SamplerOutput:
+        """Forward, then sample. ``masks`` builds the grammar bitmask on the host; it is called after
+        the forward is launched, so on CUDA it overlaps the device's work."""
         logits = self.model.compute_logits(self.forward(batch, batch.gather_ids))  # [N, V]
+        self.apply_masks(logits, masks)
         return self.sampler(logits, sampling)
+
+    def apply_masks(self, logits: torch.Tensor, masks: Callable[[], torch.Tensor | None] | None) -> None:
+        bitmask = masks() if masks is not None else None
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True))

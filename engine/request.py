@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from encore.engine.detokenizer import IncrementalDetokenizer
+from encore.engine.grammar import RequestGrammar
 from encore.engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
+    grammar: RequestGrammar | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +64,11 @@ class Request:
         """Decode rows feed exactly their last sampled token; anything else is a prefill row
         (a new prompt, a later chunk of it, or a preempted request recomputing its KV)."""
         return self.num_output_tokens > 0 and self.num_uncomputed == 1
+
+    @property
+    def ready(self) -> bool:
+        """False while its grammar is still compiling (it is not admitted before)."""
+        return self.grammar is None or self.grammar.ready()
 
     @property
     def finished(self) -> bool:

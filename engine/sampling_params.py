@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from encore.engine.grammar import GrammarSpec, grammar_spec
+
 _MAX_LOGPROBS = 20
 
 
@@ -18,6 +20,8 @@ class SamplingParams:
     ``seed`` makes the request's tokens independent of whatever else shares its batch.
     ``logprobs`` asks for the sampled token's logprob plus the top-``logprobs`` alternatives
     (``None``: no logprobs); logprobs are those of the model's raw distribution.
+    Structured output: at most one of ``json_schema`` (JSON text or a dict), ``regex``, ``ebnf``
+    (grammar text) or ``json_object``; the grammar itself is checked when the request is added.
     """
 
     max_tokens: int = 16
@@ -33,6 +37,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,12 +67,17 @@ class SamplingParams:
                f"stop must be non-empty strings, got {self.stop!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        return grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
 
     @property
     def uses_penalties(self) -> bool:

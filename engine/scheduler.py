@@ -109,12 +109,15 @@ class Scheduler:
             if self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 step.extends.append((req, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if not req.ready:
+                continue  # a grammar still compiling holds back only its own request
             n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
             if not self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.extends.append((req, n))

@@ -74,12 +74,14 @@ class Speculator:
         self.draft_probs.pop(request_id, None)
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep, batch: ForwardBatch, sampled: list[Request]) -> list[RowResult]:
+    def run(self, step: ScheduledStep, batch: ForwardBatch, sampled: list[Request], masks=None) -> list[RowResult]:
+        """``masks`` builds the grammar bitmask of the step's logits rows (see ModelRunner.run)."""
         runner, k, q_len = self.runner, self.k, self.q_len
         device = runner.device
         n_plain = len(sampled) - len(step.decodes) * q_len
         hidden = runner.forward(batch)  # [T, hidden]
         logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
+        runner.apply_masks(logits, masks)
         t = self._target_tensors(sampled, n_plain, step.decodes, device)
         probs = processed_probs(logits, t)  # [N, V]
         plain = verify(probs[:n_plain, None], torch.zeros(n_plain, 0, dtype=torch.long, device=device), None,

@@ -28,7 +28,8 @@ def allowed(bitmask_row: torch.Tensor) -> set[int]:
 
 def test_specs_validate_and_reject_with_xgrammar_messages():
     assert grammar_spec(None, None, None, False) is None
-    assert grammar_spec({"type": "object"}, None, None, False).source == '{"type": "object"}'
+    assert grammar_spec({"type": "object", "properties": {"b": {}, "a": {}}}, None, None, False).source == (
+        '{"type": "object", "properties": {"b": {}, "a": {}}}')
     with pytest.raises(ValueError, match=r"at most one of .* got \['ebnf', 'regex'\]"):
         grammar_spec(None, "a+", "root ::= \"a\"", False)
     with pytest.raises(ValueError, match="regex must be a non-empty string"):
