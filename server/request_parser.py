@@ -5,10 +5,12 @@ worker thread: a long prompt must not stall the other streams, and a HF fast tok
 entered by two threads at once. Sampling values are validated by ``SamplingParams`` itself (one
 source of truth with the engine); its messages are re-addressed to the proto field the client set.
 
-Structured output and speculative decoding are carried by the proto but the engine cannot do them
-yet: a request that asks for them gets UNIMPLEMENTED, never a silently unconstrained answer — after
-its grammar was parsed with the engine's own ``grammar_spec``, so a bad one still gets
-INVALID_ARGUMENT with xgrammar's reason.
+A ``response_format`` (JSON schema, regex, EBNF or any JSON object) is parsed here with the engine's
+own ``grammar_spec``, so a bad grammar gets INVALID_ARGUMENT with xgrammar's reason before it reaches
+the engine, and a good one is passed on in the ``SamplingParams``. The per-request ``speculative``
+flag gets UNIMPLEMENTED: speculation is configured per server (``encore serve --speculative-method``),
+and the engine has no per-request toggle, so a request that asks for it is refused, never silently
+ignored.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ class RequestParser:
         params = self._params(request)
         if request.HasField("speculative") and request.speculative:
             raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
-                               "speculative: speculative decoding is not available yet (the engine has no drafter); "
-                               "leave it unset or false")
+                               "speculative: there is no per-request speculation; it is configured per server "
+                               "with `encore serve --speculative-method`; leave this unset or false")
         if request.HasField("response_format"):
-            await self._check_response_format(request.response_format)
+            grammar = await self._grammar(request.response_format)
+            params = dataclasses.replace(params, **grammar)
         if token_ids is None:
             token_ids = await self._tokenize(request.text)
         if len(token_ids) >= self.max_model_len:
@@ -138,10 +141,14 @@ class RequestParser:
             raise invalid(_proto_path(str(exc))) from None
         return params
 
-    async def _check_response_format(self, response_format: pb.ResponseFormat) -> None:
+    async def _grammar(self, response_format: pb.ResponseFormat) -> dict[str, str | bool]:
+        """The SamplingParams fields that carry a response_format, after its grammar parsed."""
         kind = response_format.WhichOneof("format")
         if kind is None:
-            return  # an empty ResponseFormat constrains nothing
+            return {}  # an empty ResponseFormat constrains nothing
+        if self.tokenizer is None:
+            raise invalid(f"response_format.{kind}: structured output needs the model's tokenizer, "
+                          "and the model directory has none")
         given = {"json_object": True} if kind == "json_object" else {kind: getattr(response_format, kind)}
         if kind == "json_schema":
             # xgrammar's JSON reader stops after the first value and ignores what follows ("{},]" reads
@@ -155,8 +162,7 @@ class RequestParser:
             await asyncio.get_running_loop().run_in_executor(self._worker, spec.parse)
         except ValueError as exc:
             raise invalid(f"response_format.{kind}: {exc}") from None
-        raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
-                           f"response_format.{kind}: structured output is not supported by the engine yet")
+        return given
 
     async def _tokenize(self, text: str) -> list[int]:
         ids = await asyncio.get_running_loop().run_in_executor(self._worker, self.tokenizer.encode, text)

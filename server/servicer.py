@@ -112,7 +112,8 @@ class GenerationServicer:
             max_model_len=info.max_model_len, num_hidden_layers=info.num_hidden_layers, hidden_size=info.hidden_size,
             num_attention_heads=info.num_attention_heads, kv_lora_rank=info.kv_lora_rank,
             qk_rope_head_dim=info.qk_rope_head_dim, eos_token_ids=info.eos_token_ids,
-            has_tokenizer=self.tokenizer is not None, supports_structured_output=False, supports_speculative=False,
+            has_tokenizer=self.tokenizer is not None, supports_structured_output=self.tokenizer is not None,
+            supports_speculative=False,
         )
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest | MalformedMessage,

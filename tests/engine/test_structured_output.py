@@ -172,3 +172,20 @@ def test_a_request_waits_for_its_grammar_while_others_run(v3_dir):
     while engine.has_unfinished_requests():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert "slow" in finished
+
+
+GPU_KEYS = dict(graph_decode_sizes=(8, 32, 64, 128), graph_mixed_decode_sizes=(16, 64), graph_prefill_tokens=(64, 256),
+                graph_extend_sizes=(1,), graph_mixed_extends=(1,), max_num_seqs=128, max_model_len=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 2}])
+def test_every_output_obeys_its_grammar_with_cuda_graphs(v3_dir, speculative):
+    engine = Engine(str(v3_dir), device="cuda", dtype="float32", compile=False, cuda_graphs=True,
+                    speculative=speculative, **GPU_KEYS)
+    specs = constraints(2)
+    outs = run(engine, specs)
+    finished = sum(check(engine, s, o) for s, o in zip(specs, outs))
+    assert finished >= 0.8 * len(specs), f"only {finished}/{len(specs)} grammars terminated"
+    assert engine.stats()["graph_replays"] > 0

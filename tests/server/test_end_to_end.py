@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import grpc
 import pytest
@@ -166,17 +167,21 @@ def test_request_id_in_use_is_refused(client):
     wait_idle(client)
 
 
-def test_unsupported_features_are_refused_not_ignored(client):
-    request = pb.GenerateRequest(text="x")
-    request.response_format.json_schema = '{"type": "object"}'
-    with pytest.raises(grpc.RpcError) as err:
-        list(client.stub.Generate(request, metadata=client.metadata))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "response_format.json_schema" in err.value.details()
+def test_regex_constrained_greedy_stream_matches_the_regex_and_stops(client):
+    request = build_request("The quick brown fox", max_tokens=16, temperature=0.0)
+    request.response_format.regex = "(yes|no)"
+    chunks = list(client.stub.Generate(request, metadata=client.metadata))
+    assert re.fullmatch("(yes|no)", "".join(c.text for c in chunks))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    wait_idle(client)
+
+
+def test_per_request_speculation_is_refused_not_ignored(client):
     request = pb.GenerateRequest(text="x", speculative=True)
     with pytest.raises(grpc.RpcError) as err:
         list(client.stub.Generate(request, metadata=client.metadata))
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "--speculative-method" in err.value.details()
     request = pb.GenerateRequest(text="x", speculative=False)
     request.stopping.max_tokens = 2
     assert list(client.stub.Generate(request, metadata=client.metadata))[-1].usage.completion_tokens <= 2
@@ -187,7 +192,7 @@ def test_model_and_server_info(client, reference):
     assert model.vocab_size == reference.model_config.vocab_size
     assert model.max_model_len == reference.max_model_len
     assert set(model.eos_token_ids) == set(reference.eos_token_ids)
-    assert model.has_tokenizer and not model.supports_structured_output and not model.supports_speculative
+    assert model.has_tokenizer and model.supports_structured_output and not model.supports_speculative
     info = client.server_info()
     assert info.engine_alive and info.ready
     assert info.engine_config["max_num_seqs"] == "64" and info.engine_config["device"] == "cpu"

@@ -110,21 +110,39 @@ def test_text_needs_a_tokenizer():
     ("ebnf", "root ::= ", False),
     ("ebnf", 'other ::= "x"', False),
 ])
-def test_grammar_is_checked_before_unimplemented(parser, kind, source, valid):
+def test_a_valid_grammar_reaches_the_sampling_params_and_a_bad_one_is_invalid(parser, kind, source, valid):
     request = build_request([5])
     setattr(request.response_format, kind, source)
-    err = error(parser, request)
     if valid:
-        assert err.code == grpc.StatusCode.UNIMPLEMENTED and "not supported by the engine yet" in err.message
+        params = parse(parser, request).params
+        assert getattr(params, kind) == source and params.grammar.kind == kind
     else:
+        err = error(parser, request)
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.message.startswith(f"response_format.{kind}")
 
 
-def test_json_object_and_speculative_are_unimplemented_but_false_and_empty_are_fine(parser):
+def test_json_object_is_passed_on_and_an_empty_response_format_constrains_nothing(parser):
     request = build_request([5])
     request.response_format.json_object.SetInParent()
-    assert error(parser, request).code == grpc.StatusCode.UNIMPLEMENTED
-    assert error(parser, pb.GenerateRequest(text="x", speculative=True)).code == grpc.StatusCode.UNIMPLEMENTED
+    params = parse(parser, request).params
+    assert params.json_object and params.grammar.kind == "json_object"
     request = pb.GenerateRequest(text="x", speculative=False)
     request.response_format.SetInParent()  # set but empty: constrains nothing
-    assert parse(parser, request).prompt_token_ids
+    parsed = parse(parser, request)
+    assert parsed.prompt_token_ids and parsed.params.grammar is None
+
+
+def test_speculative_per_request_is_unimplemented_and_names_the_server_flag(parser):
+    err = error(parser, pb.GenerateRequest(text="x", speculative=True))
+    assert err.code == grpc.StatusCode.UNIMPLEMENTED and "--speculative-method" in err.message
+
+
+def test_structured_output_without_a_tokenizer_is_invalid():
+    parser = RequestParser(None, VOCAB, MAX_LEN)
+    try:
+        request = build_request([5])
+        request.response_format.regex = "(yes|no)"
+        err = error(parser, request)
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "tokenizer" in err.message
+    finally:
+        parser.close()

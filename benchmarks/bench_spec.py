@@ -1,0 +1,129 @@
+"""Speculative decoding on the GPU: verify-step cost and end-to-end tokens/s.
+
+A. DeepSeek-V2-Lite shape (random bf16 weights on the GPU, torch attention backend, CUDA graphs):
+   one verify step (q_len 1 + k) vs one plain decode step, at bs 1 and 16, context 1024.
+B. encore-tiny end to end (CUDA graphs, greedy, 96 tokens per request) at bs 1 and 16: plain decoding
+   (the peer), real MTP drafting with k = 1..4, and the replaying test drafter at per-draft error
+   rates 0.5 / 0.3 / 0.1 — synthetic acceptance by construction — with k = 1..4.
+
+    python benchmarks/bench_spec.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from bench_decode_graphs import PAGE_SIZE, V2_LITE, build_random, time_ms
+from encore.backends.metadata import ForwardBatch
+from encore.engine import Engine, SamplingParams
+from encore.engine.config import EngineConfig
+from encore.engine.model_runner import ModelRunner
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):\n",
+           "for i in range(10):\n"]
+KEYS = dict(graph_decode_sizes=(1, 16), graph_mixed_decode_sizes=(16,), graph_prefill_tokens=(256,),
+            graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+
+
+def verify_batch(bs: int, q_len: int, context: int, device: torch.device) -> ForwardBatch:
+    pages = math.ceil((context + q_len) / PAGE_SIZE)
+    table = 1 + torch.arange(bs * pages, dtype=torch.int32, device=device).view(bs, pages)
+    positions = (context + torch.arange(q_len, device=device)).repeat(bs)  # [bs * q_len]
+    rows = torch.arange(bs, device=device).repeat_interleave(q_len)
+    slots = table[rows, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
+    return ForwardBatch(num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=bs * q_len, page_size=PAGE_SIZE,
+                        input_ids=(positions * 7919) % V2_LITE.vocab_size, positions=positions, slot_mapping=slots,
+                        seq_lens=torch.full((bs,), context + q_len, dtype=torch.int32, device=device),
+                        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
+                        qo_indptr=torch.arange(0, bs * q_len + 1, q_len, dtype=torch.int32, device=device),
+                        page_table=table, gather_ids=torch.arange(bs * q_len, device=device),
+                        seq_lens_cpu=[context + q_len] * bs, prefix_lens_cpu=[context] * bs)
+
+
+@torch.inference_mode()
+def verify_vs_decode(context: int, iters: int) -> list[dict]:
+    rows = []
+    pages = math.ceil((context + 8) / PAGE_SIZE)
+    config = EngineConfig(model="random:deepseek-v2-lite", device="cuda", dtype="bfloat16", page_size=PAGE_SIZE,
+                          num_kv_pages=1 + 16 * pages, max_model_len=pages * PAGE_SIZE, max_num_seqs=16,
+                          max_num_batched_tokens=64, compile=False, graph_decode_sizes=(1, 16),
+                          graph_q_lens=(1, 2, 3, 4, 5), graph_mixed_extends=(), graph_extend_sizes=())
+    runner = ModelRunner(config, V2_LITE, config.max_model_len, build_model=build_random)
+    runner.prepare_graphs()
+    for bs in (1, 16):
+        base = None
+        for q_len in (1, 2, 3, 4, 5):
+            batch = verify_batch(bs, q_len, context, runner.device)
+            ms = time_ms(lambda: runner.model.compute_logits(runner.forward(batch, batch.gather_ids)), iters)
+            base = base or ms
+            rows.append({"bs": bs, "q_len": q_len, "ms": round(ms, 3), "x_decode": round(ms / base, 3)})
+    return rows
+
+
+def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int) -> tuple[float, dict, list[list[int]]]:
+    engine = Engine(device="cuda", compile=False, cuda_graphs=True, max_model_len=512, speculative=speculative, **KEYS)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return bs * max_tokens / seconds, engine.stats(), [o.token_ids for o in outs]
+
+
+def end_to_end(max_tokens: int) -> list[dict]:
+    rows = []
+    for bs in (1, 16):
+        plain, _, tokens = tokens_per_s(bs, None, max_tokens + 8)
+        # The generate() after the warm-up request names rows gen-1 .. gen-bs.
+        truth = {f"gen-{i + 1}": t for i, t in enumerate(tokens)}
+        rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(plain, 1), "speedup": 1.0,
+                     "acceptance": None})
+        configs = [("mtp", None)] + [("replay", e) for e in (0.5, 0.3, 0.1)]
+        for method, error in configs:
+            for k in (1, 2, 3, 4):
+                spec = {"method": method, "num_speculative_tokens": k}
+                if method == "replay":
+                    spec.update(continuations=truth, error_rate=error)
+                tps, stats, _ = tokens_per_s(bs, spec, max_tokens)
+                label = "mtp" if method == "mtp" else f"replay err {error}"
+                rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(tps, 1),
+                             "speedup": round(tps / plain, 2), "acceptance": round(stats["spec_acceptance_rate"], 3),
+                             "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--skip-v2-lite", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}")
+    a = [] if args.skip_v2_lite else verify_vs_decode(args.context, args.iters)
+    if a:
+        print(f"A. V2-Lite shape, context {args.context}: verify step vs decode step (torch backend, CUDA graphs)")
+        print(f"{'bs':>3} {'q_len':>5} {'ms':>8} {'x decode':>9}")
+        for r in a:
+            print(f"{r['bs']:>3} {r['q_len']:>5} {r['ms']:>8} {r['x_decode']:>9}")
+    b = end_to_end(args.max_tokens)
+    print("B. encore-tiny end to end, greedy, CUDA graphs (replay acceptance is synthetic)")
+    print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}")
+    for r in b:
+        print(f"{r['bs']:>3} {r['drafter']:>16} {r['k']:>2} {r['tok_s']:>9} {r['speedup']:>8} "
+              f"{str(r['acceptance']):>7} {str(r.get('mean_accepted_len', '')):>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "verify_vs_decode": a, "end_to_end": b}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
