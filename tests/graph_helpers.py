@@ -13,6 +13,7 @@ from encore.backends.metadata import ForwardBatch
 from encore.engine import Engine, SamplingParams
 from encore.engine.request import Request
 from encore.engine.scheduler import ScheduledStep
+from workloads import run_staggered
 from encore.engine.step import build_forward_batch
 from encore.graphs.compiler import aten_graph, fresh_entry
 from encore.graphs.keys import GraphKey
@@ -170,14 +171,4 @@ SMALL_KEYS = dict(graph_decode_sizes=(4,), graph_mixed_extends=(1,), graph_mixed
 
 def staggered(engine: Engine) -> dict[str, list[int]]:
     """Requests arriving over several steps (as in tests/engine/test_mixed.py); greedy tokens by id."""
-    done: dict[str, list[int]] = {}
-    step = 0
-    while len(done) < len(PROMPTS):
-        for i, arrival in enumerate(ARRIVAL_STEP):
-            if arrival == step:
-                engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        step += 1
-    return done
+    return {rid: out.token_ids for rid, out in run_staggered(engine, PROMPTS, GREEDY, ARRIVAL_STEP).items()}

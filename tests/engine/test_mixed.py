@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from encore.engine import Engine, SamplingParams
+from workloads import run_staggered
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[7 + i * 3 + j for j in range(5 + 4 * i)] for i in range(6)]
@@ -12,17 +13,7 @@ ARRIVAL_STEP = [0, 0, 2, 3, 5, 9]
 
 
 def staggered(engine: Engine) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    step = 0
-    while len(done) < len(PROMPTS):
-        for i, arrival in enumerate(ARRIVAL_STEP):
-            if arrival == step:
-                engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        step += 1
-    return done
+    return {rid: out.token_ids for rid, out in run_staggered(engine, PROMPTS, GREEDY, ARRIVAL_STEP).items()}
 
 
 @pytest.fixture(scope="module")

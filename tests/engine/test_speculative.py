@@ -13,23 +13,11 @@ from hypothesis import strategies as st
 from checkpoints import write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
 from test_kv_cache import check_invariants
+from workloads import run_staggered
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):\n",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
-
-
-def run_staggered(engine: Engine, prompts, params, arrivals) -> dict[str, list[int]]:
-    done, step = {}, 0
-    while len(done) < len(prompts):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                engine.add_request(f"r{i}", prompts[i], params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        step += 1
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +42,8 @@ def test_greedy_speculation_is_token_identical(reference, method, k, workload):
     engine = Engine(device="cpu", page_size=4, speculative={"method": method, "num_speculative_tokens": k},
                     **w["options"])
     done = run_staggered(engine, PROMPTS, GREEDY, w["arrivals"])
-    for rid, tokens in done.items():
-        assert tokens == reference[rid][:GREEDY.max_tokens], (rid, method, k, workload)
+    for rid, out in done.items():
+        assert out.token_ids == reference[rid][:GREEDY.max_tokens], (rid, method, k, workload)
     stats = engine.stats()
     if workload == "mixed":
         assert stats["steps"]["MIXED"] > 0, stats["steps"]

@@ -14,6 +14,7 @@ import xgrammar as xgr
 
 from checkpoints import write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
+from workloads import run_staggered
 
 N_EACH = 36  # schemas, regexes and grammars: 108 in all
 
@@ -83,15 +84,8 @@ def run(engine: Engine, specs: list[dict], arrivals=None, temperature: float = 1
     params = [SamplingParams(max_tokens=48, temperature=temperature, seed=i, **s) for i, s in enumerate(specs)]
     if arrivals is None:
         return engine.generate([[5 + i % 40, 6, 7] for i in range(len(specs))], params)
-    done, step = {}, 0
-    while len(done) < len(specs):
-        for i, at in enumerate(arrivals):
-            if at == step:
-                engine.add_request(f"c{i}", [5 + i % 40] * (3 + i % 9), params[i])
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
+    prompts = [[5 + i % 40] * (3 + i % 9) for i in range(len(specs))]
+    done = run_staggered(engine, prompts, params, arrivals, prefix="c")
     return [done[f"c{i}"] for i in range(len(specs))]
 
 
