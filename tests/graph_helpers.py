@@ -13,11 +13,11 @@ from encore.backends.metadata import ForwardBatch
 from encore.engine import Engine, SamplingParams
 from encore.engine.request import Request
 from encore.engine.scheduler import ScheduledStep
-from workloads import run_staggered
 from encore.engine.step import build_forward_batch
 from encore.graphs.compiler import aten_graph, fresh_entry
 from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers, padded_index
+from workloads import run_staggered
 
 
 def engine_with_history(path, device: str = "cpu", **options) -> tuple[Engine, dict[str, ForwardBatch]]:
