@@ -100,13 +100,13 @@ def workload_engine(name: str, v3_dir, mtp_dir) -> tuple[Engine, list | None]:
     if name == "mixed":
         return (Engine(str(v3_dir), device="cpu", page_size=4, chunked_prefill_size=8, max_num_batched_tokens=48),
                 [i // 4 for i in range(3 * N_EACH)])
-    method, k = {"ngram-1": ("ngram", 1), "ngram-2": ("ngram", 2), "mtp-4": ("mtp", 4)}[name]
+    method, k = {"ngram-1": ("ngram", 1), "ngram-2": ("ngram", 2), "mtp-3": ("mtp", 3), "mtp-4": ("mtp", 4)}[name]
     path = mtp_dir if method == "mtp" else v3_dir
     return Engine(str(path), device="cpu", page_size=4, max_num_seqs=128,
                   speculative={"method": method, "num_speculative_tokens": k}), None
 
 
-@pytest.mark.parametrize("workload", ["decode", "mixed", "ngram-1", "ngram-2", "mtp-4"])
+@pytest.mark.parametrize("workload", ["decode", "mixed", "ngram-1", "ngram-2", "mtp-3", "mtp-4"])
 def test_every_output_obeys_its_grammar(workload, v3_dir, mtp_dir):
     engine, arrivals = workload_engine(workload, v3_dir, mtp_dir)
     specs = constraints()
