@@ -2,7 +2,7 @@
 
 The model is built from a ModelConfig directly on the GPU with random bf16 weights (27 layers, 64
 routed experts top-6 + 2 shared, MLA 512 + 64; no checkpoint, no download). For each batch size a
-decode step at ``--context`` tokens per row (forward + logits of every row, torch attention backend)
+decode step at ``--context`` tokens per row (forward + logits of every row, the "auto" attention backend)
 is timed three ways, each next to its floor: the bytes a step must read — the weights it touches
 (all dense weights, the routed experts the batch is expected to hit under uniform routing, the LM
 head) plus every row's latent KV — over the device-to-device copy bandwidth measured in the same run.
@@ -209,7 +209,8 @@ def main() -> None:
                          "weights_gb": need["weights"] / 1e9, "kv_gb": need["kv"] / 1e9,
                          "replay_vs_eager_rel_err": times["replay_vs_eager_rel_err"]})
 
-    print(f"DeepSeek-V2-Lite shape, random bf16 weights, torch attention backend, {torch.cuda.get_device_name()}; "
+    print(f"DeepSeek-V2-Lite shape, random bf16 weights, {runner.backend.name} attention backend, "
+          f"{torch.cuda.get_device_name()}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'mode':<11} {'bs':>4} {'ms/step':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'weights GB':>11} "
           f"{'KV GB':>7}")

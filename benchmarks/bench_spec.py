@@ -1,6 +1,6 @@
 """Speculative decoding on the GPU: verify-step cost and end-to-end tokens/s.
 
-A. DeepSeek-V2-Lite shape (random bf16 weights on the GPU, torch attention backend, CUDA graphs):
+A. DeepSeek-V2-Lite shape (random bf16 weights on the GPU, the "auto" attention backend, CUDA graphs):
    one verify step (q_len 1 + k) vs one plain decode step, at bs 1 and 16, context 1024.
 B. encore-tiny end to end (CUDA graphs, greedy, 96 tokens per request) at bs 1 and 16: plain decoding
    (the peer), real MTP drafting with k = 1..4, and the replaying test drafter at per-draft error

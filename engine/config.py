@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from encore.engine.spec.config import SpecConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch")
+_BACKENDS = ("auto", "torch", "triton")
 _GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
                 "graph_prefill_tokens", "graph_extend_sizes")
 

@@ -38,10 +38,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Chosen once. Only the torch reference exists so far; "auto" resolves to it everywhere."""
-    if name in ("auto", "torch"):
+    """Chosen once: "auto" is the Triton backend on CUDA and the torch reference elsewhere; "triton"
+    needs CUDA (its kernels launch only there)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
         return TorchAttentionBackend
-    raise ValueError(f"attention_backend {name!r} is not available; expected 'auto' or 'torch'")
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {str(device)!r}; "
+                             "use 'torch' (or 'auto') there")
+        from encore.backends.triton_backend import TritonAttentionBackend  # triton is imported on first use
+
+        return TritonAttentionBackend
+    raise ValueError(f"attention_backend {name!r} is not available; expected 'auto', 'torch' or 'triton'")
 
 
 ModelBuilder = Callable[[ModelConfig, AttentionBackend, torch.device, torch.dtype], DeepseekForCausalLM]

@@ -77,7 +77,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: %(default)s)")
     group.add_argument("--dtype", help="float32, bfloat16, float16 or auto")
-    group.add_argument("--attention-backend", help="auto or torch")
+    group.add_argument("--attention-backend", help="auto (triton on CUDA, torch on CPU), torch or triton")
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)
