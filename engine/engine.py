@@ -7,10 +7,11 @@ from functools import partial
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from encore.engine.config import EngineConfig
+from encore.graphs.runner import KeyReport
 from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitmask
 from encore.engine.kv_cache import KVCacheManager
@@ -43,7 +44,10 @@ class Engine:
     ``model=None`` serves the embedded encore-tiny checkpoint.
     """
 
-    def __init__(self, model: str | None = None, device: str = "auto", **options) -> None:
+    def __init__(self, model: str | None = None, device: str = "auto",
+                 on_graph_key: Callable[[int, int, KeyReport], None] | None = None, **options) -> None:
+        """``on_graph_key(done, total, report)`` is called as each graph key is compiled/captured at
+        start-up (progress for ``encore serve``); ``options`` are EngineConfig's fields."""
         if device == "auto":
             import torch
 
@@ -58,7 +62,9 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(self.config, self.model_config, wanted_len)
-        self.runner.prepare_graphs()  # compile (and capture) every graph key before the first step
+        total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
+        progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
+        self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step
         self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size)
         capacity = self.kv.num_total_pages * self.config.page_size
         if wanted_len > capacity:

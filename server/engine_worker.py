@@ -40,7 +40,12 @@ def run_engine(engine_kwargs: dict, inbox: multiprocessing.Queue, outbox: multip
     logging.basicConfig(level=logging.WARNING, format="encore engine: %(levelname)s %(message)s")
     try:
         outbox.put(Progress(f"loading {engine_kwargs.get('model')} and preparing its graphs"))
-        engine = engine_factory(**engine_kwargs, detokenize=False)  # the server detokenizes (module docstring)
+        def on_graph_key(done: int, total: int, report) -> None:
+            outbox.put(Progress(f"graph key {done}/{total} {report.key}: compiled in {report.compile_s:.1f}s, "
+                                f"captured in {report.capture_s:.2f}s"))
+
+        # The server detokenizes (module docstring).
+        engine = engine_factory(**engine_kwargs, detokenize=False, on_graph_key=on_graph_key)
         outbox.put(Progress("warming up (one prefill and one decode step)"))
         engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     except Exception as exc:

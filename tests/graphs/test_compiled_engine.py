@@ -30,8 +30,12 @@ def check_compiled_run(engine: Engine, want: dict[str, list[int]]) -> None:
 
 
 def test_v2_lite_cold_compile_matches_eager(checkpoint, eager_tokens, tmp_path):
+    progress = []
     engine = Engine(str(checkpoint("v2_lite")), device="cpu", compile=True, graph_cache_dir=str(tmp_path),
+                    on_graph_key=lambda done, total, report: progress.append((done, total, report.key)),
                     **STAGGERED, **SMALL_KEYS)
+    assert [(d, t) for d, t, _ in progress] == [(1, 3), (2, 3), (3, 3)]
+    assert [k for _, _, k in progress] == list(engine.runner.graphs.keys)
     check_compiled_run(engine, eager_tokens["v2_lite"])
     manifest = json.loads(engine.runner.graph_cache.manifest_path.read_text())
     assert len(manifest["keys"]) == 3  # a cold engine start leaves a manifest like a warm-up does
