@@ -31,8 +31,31 @@ class ForwardMode(enum.Enum):
         return ForwardMode.MIXED
 
 
+class StepShape:
+    """What follows from (num_extends, q_len_per_req, bs, num_tokens): shared by a step's batch and
+    the graph key it runs on."""
+
+    __slots__ = ()
+    num_extends: int
+    q_len_per_req: int
+    bs: int
+    num_tokens: int
+
+    @property
+    def mode(self) -> ForwardMode:
+        return ForwardMode.of(self.num_extends, self.bs)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.bs - self.num_extends
+
+    @property
+    def num_extend_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes * self.q_len_per_req
+
+
 @dataclass(slots=True)
-class ForwardBatch:
+class ForwardBatch(StepShape):
     """Everything a forward pass needs to know about one step.
 
     Per token (``num_tokens``): ``input_ids``, ``positions``, ``slot_mapping`` (flat cache slot
@@ -58,15 +81,3 @@ class ForwardBatch:
     gather_ids: torch.Tensor  # [N] int64
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
-
-    @property
-    def mode(self) -> ForwardMode:
-        return ForwardMode.of(self.num_extends, self.bs)
-
-    @property
-    def num_decodes(self) -> int:
-        return self.bs - self.num_extends
-
-    @property
-    def num_extend_tokens(self) -> int:
-        return self.num_tokens - self.num_decodes * self.q_len_per_req

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 from transformers import AutoTokenizer
 
+from bench_scheduler import timed
 from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, allocate_bitmask, grammar_spec, step_bitmask
 from encore.models.tiny import default_model_dir
 
@@ -22,14 +22,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age", "tags"]}
 # xgrammar checks length-bounded strings token by token at run time: the slow case, shown apart.
 BOUNDED = {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string", "maxLength": 12}}}
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters * 1e6
 
 
 def main() -> None:

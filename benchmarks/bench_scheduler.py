@@ -17,10 +17,9 @@ import torch
 from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.request import Request, RequestStatus
-from encore.engine.sampler import SamplingTensors
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.scheduler import Scheduler
-from encore.engine.step import build_forward_batch
+from encore.engine.step import build_forward_batch, sampling_tensors
 
 
 def setup(bs: int, context: int, prefills: int, page_size: int) -> Scheduler:
@@ -43,9 +42,7 @@ def setup(bs: int, context: int, prefills: int, page_size: int) -> Scheduler:
 def one_step(sched: Scheduler) -> None:
     step = sched.schedule()
     batch, sampled = build_forward_batch(step, sched.kv, torch.device("cpu"))
-    SamplingTensors.build([r.params for r in sampled], [r.seed for r in sampled],
-                          [r.num_output_tokens for r in sampled], [r.prompt_token_ids for r in sampled],
-                          [r.output_token_ids for r in sampled], torch.device("cpu"))
+    sampling_tensors(sampled, torch.device("cpu"))
     for req, n in step.extends:
         req.num_computed += n
     for req in step.decodes:

@@ -17,11 +17,10 @@ from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitm
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelRunner
 from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from encore.engine.sampler import SamplingTensors
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.scheduler import Scheduler
 from encore.engine.spec.speculator import RowResult, Speculator
-from encore.engine.step import build_forward_batch
+from encore.engine.step import build_forward_batch, sampling_tensors
 from encore.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -181,10 +180,7 @@ class Engine:
         return outputs
 
     def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:
-        sampling = SamplingTensors.build(
-            [r.params for r in sampled], [r.seed for r in sampled], [r.num_output_tokens for r in sampled],
-            [r.prompt_token_ids for r in sampled], [r.output_token_ids for r in sampled], self.runner.device)
-        result = self.runner.run(batch, sampling, masks)
+        result = self.runner.run(batch, sampling_tensors(sampled, self.runner.device), masks)
         token_ids = result.token_ids.tolist()
         logprobs = None
         if result.logprobs is not None:

@@ -82,7 +82,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, device=device)
 
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
-        needs_output = any(p.uses_penalties for p in params)
+        needs_output = needs_token_history(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=column([p.temperature for p in params], torch.float32),
@@ -99,6 +99,12 @@ class SamplingTensors:
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
         )
+
+
+def needs_token_history(params: Sequence[SamplingParams]) -> bool:
+    """Whether any row's penalties read its prompt / output tokens; ``SamplingTensors.build`` only
+    touches those lists then, so callers can skip copying them on the per-step path."""
+    return any(p.uses_penalties for p in params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import torch
 from encore.backends.metadata import ForwardBatch
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.request import Request
+from encore.engine.sampler import SamplingTensors, needs_token_history
 from encore.engine.scheduler import ScheduledStep
 
 
@@ -77,3 +78,12 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
         prefix_lens_cpu=prefix_lens,
     )
     return batch, sampled
+
+
+def sampling_tensors(sampled: list[Request], device: torch.device) -> SamplingTensors:
+    """One row per logits row; token histories are copied only when some row's penalties read them."""
+    params = [r.params for r in sampled]
+    history = needs_token_history(params)
+    return SamplingTensors.build(params, [r.seed for r in sampled], [r.num_output_tokens for r in sampled],
+                                 [r.prompt_token_ids if history else () for r in sampled],
+                                 [r.output_token_ids if history else () for r in sampled], device)

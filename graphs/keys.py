@@ -12,14 +12,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from encore.backends.metadata import ForwardBatch, ForwardMode
+from encore.backends.metadata import ForwardBatch, StepShape
 
 if TYPE_CHECKING:
     from encore.engine.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
-class GraphKey:
+class GraphKey(StepShape):
     num_extends: int
     q_len_per_req: int
     bs: int
@@ -33,18 +33,6 @@ class GraphKey:
         if self.num_extend_tokens < self.num_extends:
             raise ValueError(f"GraphKey {self} leaves {self.num_extend_tokens} prefill tokens for "
                              f"{self.num_extends} prefill rows (each needs at least one)")
-
-    @property
-    def mode(self) -> ForwardMode:
-        return ForwardMode.of(self.num_extends, self.bs)
-
-    @property
-    def num_decodes(self) -> int:
-        return self.bs - self.num_extends
-
-    @property
-    def num_extend_tokens(self) -> int:
-        return self.num_tokens - self.num_decodes * self.q_len_per_req
 
     def holds(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` can run on this key once padded: same mode and prefill rows, same decode

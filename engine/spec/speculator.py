@@ -24,7 +24,7 @@ import torch
 
 from encore.backends.metadata import ForwardBatch
 from encore.engine.request import Request, TokenLogprob
-from encore.engine.sampler import SamplingTensors, processed_probs, sample_from_probs
+from encore.engine.sampler import SamplingTensors, needs_token_history, processed_probs, sample_from_probs
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.spec.acceptance import DRAFT_SALT, verify
 from encore.engine.spec.config import SpecConfig
@@ -120,14 +120,16 @@ class Speculator:
                         device: torch.device) -> SamplingTensors:
         """Per logits row: the j-th row of a verify row samples the token after j accepted drafts,
         so its counter and the output tokens its penalties see include d_1 .. d_j."""
+        params = [r.params for r in sampled]
+        history = needs_token_history(params)  # copy token lists only when penalties read them
         counters = [r.num_output_tokens for r in sampled[:n_plain]]
-        outputs = [r.output_token_ids for r in sampled[:n_plain]]
+        outputs = [r.output_token_ids if history else () for r in sampled[:n_plain]]
         for req in decodes:
             for j in range(self.q_len):
                 counters.append(req.num_output_tokens + j)
-                outputs.append(req.output_token_ids + req.draft_token_ids[:j])
-        return SamplingTensors.build([r.params for r in sampled], [r.seed for r in sampled], counters,
-                                     [r.prompt_token_ids for r in sampled], outputs, device)
+                outputs.append(req.output_token_ids + req.draft_token_ids[:j] if history else ())
+        return SamplingTensors.build(params, [r.seed for r in sampled], counters,
+                                     [r.prompt_token_ids if history else () for r in sampled], outputs, device)
 
     def _draft_q(self, decodes: list[Request], drafts: torch.Tensor) -> torch.Tensor | None:
         """Draft distributions for stochastic MTP drafts; None means one-hot at the drafts."""

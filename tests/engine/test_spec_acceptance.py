@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from encore.engine.spec.acceptance import verify
@@ -56,19 +54,12 @@ def test_stochastic_acceptance_preserves_the_target_distribution():
     # Each frequency is a binomial mean: allow 5 standard deviations.
     bound = 5 * torch.sqrt(p[0, 0] * (1 - p[0, 0]) / n)
     assert ((freq - p[0, 0]).abs() <= bound).all(), (freq, p[0, 0])
+    # The bound is tight enough to catch a verifier that emitted the drafts unconditionally.
+    emitted_drafts = torch.bincount(drafts[:, 0], minlength=vocab).float() / n
+    assert ((emitted_drafts - p[0, 0]).abs() > bound).any()
     # A deterministic draft (q one-hot) also preserves p.
     freq_det = _first_token_frequencies(p, None, torch.full((n, 1), 1), n)
     assert ((freq_det - p[0, 0]).abs() <= bound).all(), (freq_det, p[0, 0])
-
-
-def test_wrong_residual_would_be_detected():
-    """The bound above is tight enough to catch a sampler that ignores the residual."""
-    p = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
-    n = 40000
-    wrong = torch.tensor([0.3, 0.1, 0.3, 0.2, 0.1])  # what emitting the draft unconditionally gives
-    bound = 5 * torch.sqrt(p * (1 - p) / n)
-    assert ((wrong - p).abs() > bound).any()
-    assert math.isfinite(bound.sum().item())
 
 
 def test_rows_accept_independently_and_depend_only_on_their_seed():
