@@ -47,11 +47,12 @@ class AttentionBackend(abc.ABC):
         self.kv_caches = kv_caches
         self.dims = dims
 
-    def plan(self, batch: ForwardBatch) -> None:
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         """Host-side metadata for the step, prefill rows and decode rows planned separately.
 
         Runs outside any compiled graph, before every forward (and before every CUDA-graph replay,
-        with the graph's static batch)."""
+        with the graph's static batch). ``static``: the batch is a graph key's static step, whose
+        shapes (and, once captured, buffers) recur; a backend may keep per-shape state for it."""
 
     def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                 k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts routing and the torch reference expert computation."""
+"""Mixture-of-experts routing, the routed-expert op and its torch formulations (the Triton fused MoE
+is in ``moe_triton``)."""
 
 from __future__ import annotations
 
@@ -90,31 +91,30 @@ def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return (per_pair.float() * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
-def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """Every expert over every token, weighted by the routing (0 where not chosen): capturable in any
-    dtype, E times the work — the CUDA path for dtypes ``torch._grouped_mm`` lacks (float32 tests)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in range(w13.shape[0]):
-        weight = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
-        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[expert]).float() * weight
-    return out.to(x.dtype)
+# Up to this many (token, expert) pairs the bf16 experts run in the Triton fused MoE, above it in
+# experts_grouped. Set by bench_moe on an H200 (V2-Lite layer, CUDA graphs): the fused MoE took 0.33x
+# grouped_mm's time at 1 token, 0.6x at 64, 0.68x at 1024 and 0.89x at 8192 (the largest measured,
+# 49152 pairs), its lead shrinking as the work turns compute-bound; larger batches are unmeasured.
+FUSED_MOE_MAX_PAIRS = 8192 * 6
 
 
 @torch.library.custom_op("encore::routed_experts", mutates_args=())
 def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor) -> torch.Tensor:
     """The routed experts as one op the compiler does not trace into. CPU: the reference (its host
-    reads cost nothing there); CUDA: a capturable formulation."""
+    reads cost nothing there); CUDA: a capturable kernel — the Triton fused MoE up to
+    FUSED_MOE_MAX_PAIRS pairs and for every dtype ``torch._grouped_mm`` lacks, ``experts_grouped``
+    for larger bf16 batches."""
     return experts_torch(x, w13, w2, weights, ids)
 
 
 @routed_experts.register_kernel("cuda")
 def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.bfloat16:  # the only dtype torch._grouped_mm runs on the GPU
+    if x.dtype == torch.bfloat16 and ids.numel() > FUSED_MOE_MAX_PAIRS:  # bf16: grouped_mm's only GPU dtype
         return experts_grouped(x, w13, w2, weights, ids)
-    return experts_dense(x, w13, w2, weights, ids)
+    from encore.backends.moe_triton import fused_moe  # triton is imported on first use
+
+    return fused_moe(x, w13, w2, weights, ids)
 
 
 @routed_experts.register_fake

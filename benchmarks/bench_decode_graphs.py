@@ -67,17 +67,20 @@ def build_random(cfg: ModelConfig, backend: AttentionBackend, device: torch.devi
     return model.eval()
 
 
-def engine_config(batch_sizes: list[int], context: int, cache_dir: str) -> EngineConfig:
+def engine_config(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool) -> EngineConfig:
+    """Decode keys for ``batch_sizes`` only, or (``all_keys``) the engine's default key set: DECODE,
+    MIXED and EXTEND buckets as ``encore serve`` captures them."""
     rows = max(batch_sizes)
     pages_per_row = math.ceil((context + 1) / PAGE_SIZE)
+    keys = {} if all_keys else dict(max_num_batched_tokens=max(rows, 16), graph_decode_sizes=tuple(batch_sizes),
+                                    graph_mixed_extends=(), graph_extend_sizes=())
     return EngineConfig(model="random:deepseek-v2-lite", device="cuda", dtype="bfloat16", page_size=PAGE_SIZE,
                         num_kv_pages=1 + rows * pages_per_row, max_model_len=pages_per_row * PAGE_SIZE,
-                        max_num_seqs=rows, max_num_batched_tokens=max(rows, 16), graph_decode_sizes=tuple(batch_sizes),
-                        graph_mixed_extends=(), graph_extend_sizes=(), graph_cache_dir=cache_dir)
+                        max_num_seqs=rows, graph_cache_dir=cache_dir, **keys)
 
 
-def make_runner(batch_sizes: list[int], context: int, cache_dir: str) -> ModelRunner:
-    config = engine_config(batch_sizes, context, cache_dir)
+def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool = False) -> ModelRunner:
+    config = engine_config(batch_sizes, context, cache_dir, all_keys)
     runner = ModelRunner(config, V2_LITE, config.max_model_len, build_model=build_random)
     runner.prepare_graphs()
     return runner
@@ -151,7 +154,7 @@ def measure(runner: ModelRunner, bs: int, context: int, iters: int) -> dict[str,
     def compiled():
         padded = graphs.buffers.fill(key, batch)
         with runner.context.bind(padded):
-            runner.backend.plan(padded)
+            runner.backend.plan(padded, static=True)
             hidden = graphs.compiled(key, padded)
         return model.compute_logits(hidden[padded.gather_ids])
 
@@ -165,9 +168,9 @@ def measure(runner: ModelRunner, bs: int, context: int, iters: int) -> dict[str,
     return results
 
 
-def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str) -> dict:
+def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool) -> dict:
     command = [sys.executable, __file__, "--phase", "prepare", "--cache-dir", cache_dir, "--context", str(context),
-               "--batch-sizes", ",".join(map(str, batch_sizes))]
+               "--batch-sizes", ",".join(map(str, batch_sizes))] + (["--all-keys"] if all_keys else [])
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -178,6 +181,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--cache-dir", default=None, help="graph cache root (default: a fresh temporary directory)")
+    ap.add_argument("--all-keys", action="store_true", help="warm up the engine's default key set, not only "
+                    "decode keys for --batch-sizes")
     ap.add_argument("--phase", choices=("all", "prepare"), default="all", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -185,16 +190,16 @@ def main() -> None:
 
     if args.phase == "prepare":  # child: build, compile, capture; report the time to ready
         begin = time.perf_counter()
-        runner = make_runner(batch_sizes, args.context, args.cache_dir)
+        runner = make_runner(batch_sizes, args.context, args.cache_dir, args.all_keys)
         torch.cuda.synchronize()
         print(json.dumps({"ready_s": time.perf_counter() - START, "prepare_s": time.perf_counter() - begin,
-                          "compiled_keys": runner.graph_stats()["compiled_keys"]}))
+                          "keys": len(runner.graphs.keys), "compiled_keys": runner.graph_stats()["compiled_keys"]}))
         return
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="encore_graph_cache_")
-    cold = prepare_in_fresh_process(batch_sizes, args.context, cache_dir)
-    warm = prepare_in_fresh_process(batch_sizes, args.context, cache_dir)
-    runner = make_runner(batch_sizes, args.context, cache_dir)
+    cold = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys)
+    warm = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys)
+    runner = make_runner(batch_sizes, args.context, cache_dir, args.all_keys)
     for cache in runner.kv_caches:
         cache.normal_(0.0, 1.0)  # finite stand-ins for the rows' cached latents
     bandwidth = copy_bandwidth()
@@ -217,7 +222,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:<11} {r['bs']:>4} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>8.2f} "
               f"{r['tokens_per_s']:>9.0f} {r['weights_gb']:>11.2f} {r['kv_gb']:>7.3f}")
-    print(f"cold warm-up ({len(batch_sizes)} keys, fresh process, empty cache): ready in {cold['ready_s']:.1f}s "
+    print(f"cold warm-up ({cold['keys']} keys, fresh process, empty cache): ready in {cold['ready_s']:.1f}s "
           f"(compile + capture {cold['prepare_s']:.1f}s)")
     print(f"warm start (same cache, fresh process): ready in {warm['ready_s']:.1f}s "
           f"(compile + capture {warm['prepare_s']:.1f}s)")

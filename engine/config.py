@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from encore.backends.selection import BACKENDS
 from encore.engine.spec.config import SpecConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch", "triton")
 _GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
                 "graph_prefill_tokens", "graph_extend_sizes")
 
@@ -23,6 +23,8 @@ class EngineConfig:
     the KV cache when ``num_kv_pages`` is None; on CPU the pool is sized to hold ``max_num_seqs``
     full-length sequences, capped by ``cpu_kv_cache_bytes``.
     ``enable_mixed_batch``: False runs prefill-only and decode-only steps (a baseline).
+    ``attention_backend``: "auto" (flashinfer where its MLA kernels take the model, else triton on
+    CUDA, torch on the CPU), "torch", "triton" or "flashinfer" (backends/selection.py).
 
     Compiled graphs (graphs/, DESIGN.md "Compiled graphs"):
     ``compile``: run steps through torch.compile with encore's passes, one graph per graph key;
@@ -79,8 +81,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         for name in ("max_num_batched_tokens", "chunked_prefill_size", "max_num_seqs", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

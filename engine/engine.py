@@ -99,6 +99,9 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
         params.check_vocab(self.model_config.vocab_size)
+        if params.speculative and self.speculator is None:
+            raise ValueError("speculative=True, but this engine runs without speculative decoding "
+                             "(start it with speculative={'method': ..., 'num_speculative_tokens': k})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer if self.config.detokenize else None, prompt_ids, params.stop)
         spec = params.grammar
@@ -200,7 +203,7 @@ class Engine:
         for res in results:
             req = res.request
             if res.num_accepted is not None:
-                req.num_drafted += len(req.draft_token_ids)
+                req.num_drafted += res.num_drafted
                 req.num_accepted += res.num_accepted
             new: list[int] = []
             for i, token in enumerate(res.tokens):

@@ -11,11 +11,12 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims
 from encore.backends.context import StepContext
 from encore.backends.metadata import ForwardBatch
-from encore.backends.torch_backend import TorchAttentionBackend
+from encore.backends.selection import select_backend
 from encore.engine.config import EngineConfig
 from encore.engine.grammar import apply_bitmask
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from encore.engine.spec.draft_kv_cache import DraftKVCache
 from encore.graphs.cache import GraphCache
 from encore.graphs.compiler import CompiledModel
 from encore.graphs.keys import keys_for
@@ -24,6 +25,7 @@ from encore.graphs.runner import GraphRunner, KeyReport
 from encore.graphs.weights import colocate_pre_attention_weights
 from encore.models.config import ModelConfig
 from encore.models.deepseek import DeepseekForCausalLM
+from encore.models.eagle3 import Eagle3Config, Eagle3Model, load_eagle3
 from encore.models.loader import has_mtp_weights, load_model
 
 log = logging.getLogger(__name__)
@@ -37,21 +39,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Chosen once: "auto" is the Triton backend on CUDA and the torch reference elsewhere; "triton"
-    needs CUDA (its kernels launch only there)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {str(device)!r}; "
-                             "use 'torch' (or 'auto') there")
-        from encore.backends.triton_backend import TritonAttentionBackend  # triton is imported on first use
-
-        return TritonAttentionBackend
-    raise ValueError(f"attention_backend {name!r} is not available; expected 'auto', 'torch' or 'triton'")
+def _eagle3_config(draft_model: str, cfg: ModelConfig) -> Eagle3Config:
+    draft = Eagle3Config.from_pretrained(draft_model)
+    if (draft.target_hidden_size, draft.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"EAGLE-3 draft model {draft_model!r} is for a target of hidden size "
+                         f"{draft.target_hidden_size} and vocab {draft.vocab_size}; this model has "
+                         f"{cfg.hidden_size} and {cfg.vocab_size}")
+    return draft
 
 
 ModelBuilder = Callable[[ModelConfig, AttentionBackend, torch.device, torch.dtype], DeepseekForCausalLM]
@@ -72,16 +66,29 @@ class ModelRunner:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's nextn layer "
                              f"(model.layers.{cfg.num_hidden_layers}.*), which {config.model!r} does not have")
         num_layers = cfg.num_hidden_layers + (1 if self.with_mtp else 0)  # the MTP layer has its own cache
-        self.num_pages = config.num_kv_pages or self._size_pool(config, cfg, num_layers, max_model_len)
+        eagle3 = spec is not None and spec.method == "eagle3"
+        self.eagle3_config = _eagle3_config(spec.draft_model, cfg) if eagle3 else None
+        if self.eagle3_config is not None and build_model is not None:
+            raise ValueError("build_model cannot set up the target's auxiliary states for EAGLE-3; load config.model")
+        aux_layers = self.eagle3_config.capture_layers(cfg.num_hidden_layers) if self.eagle3_config else ()
+        draft_elems = self.eagle3_config.kv_elems_per_token if self.eagle3_config else 0
+        token_elems = num_layers * cfg.latent_dim + draft_elems  # the drafter's KV shares the target's pages
+        self.num_pages = config.num_kv_pages or self._size_pool(config, cfg, token_elems, max_model_len)
         self.kv_caches = allocate_kv_caches(num_layers, self.num_pages, config.page_size, cfg.latent_dim,
                                             self.dtype, self.device)
-        self.backend = select_backend(config.attention_backend, self.device)(self.kv_caches, self.dims)
+        draft = self.eagle3_config
+        self.draft_kv_cache = DraftKVCache(self.num_pages, config.page_size, draft.num_key_value_heads, draft.head_dim,
+                                           self.dtype, self.device) if draft else None
+        self.backend = select_backend(config.attention_backend, self.device, self.dims, self.dtype)(
+            self.kv_caches, self.dims)
         self.context = StepContext(self.backend)
         if build_model is None:
             self.model = load_model(Path(config.model), cfg, self.backend, self.device, self.dtype,
-                                    with_mtp=self.with_mtp)
+                                    with_mtp=self.with_mtp, aux_layers=aux_layers)
         else:
             self.model = build_model(cfg, self.backend, self.device, self.dtype)
+        self.eagle3 = load_eagle3(spec.draft_model, draft, self.draft_kv_cache, self.model.model.embed_tokens,
+                                  self.device, self.dtype) if draft else None
         self.sampler = Sampler()
         # Static page-table width of graph steps; a verify row may reserve k draft slots past the context.
         spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
@@ -127,12 +134,16 @@ class ModelRunner:
                      sum(r.compile_s + r.capture_s for r in reports))
         return reports
 
-    def _size_pool(self, config: EngineConfig, cfg: ModelConfig, num_layers: int, max_model_len: int) -> int:
+    def _size_pool(self, config: EngineConfig, cfg: ModelConfig, token_elems: int, max_model_len: int) -> int:
+        """``token_elems``: cache elements one token takes in every cache that pages index."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        page_bytes = num_layers * config.page_size * cfg.latent_dim * elem
+        page_bytes = config.page_size * token_elems * elem
         if self.device.type == "cuda":
             with torch.device("meta"):
-                param_bytes = sum(p.numel() for p in DeepseekForCausalLM(cfg, None).parameters()) * elem
+                models = [DeepseekForCausalLM(cfg, None)]
+                if self.eagle3_config is not None:  # its embedding counted even when shared: a small overestimate
+                    models.append(Eagle3Model(self.eagle3_config, None))
+                param_bytes = sum(p.numel() for m in models for p in m.parameters()) * elem
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int((free - param_bytes) * config.kv_cache_memory_fraction)
         else:
@@ -146,8 +157,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states of the step's tokens, or of ``token_ids`` only:
-        through the step's graph key when one holds it, else eager."""
+        """Final-normed hidden states of the step's tokens, or of ``token_ids`` only, [T, hidden];
+        with EAGLE-3 on, each row continues with the target's auxiliary states ([T, 4 * hidden], see
+        DeepseekForCausalLM). Through the step's graph key when one holds it, else eager."""
         if self.graphs is not None:
             ran = self.graphs.run(batch)
             if ran is not None:
@@ -168,6 +180,14 @@ class ModelRunner:
         with self.context.bind(batch):
             self.backend.plan(batch)
             return self.model.mtp(input_ids, batch.positions, hidden, batch)
+
+    @torch.inference_mode()
+    def forward_eagle3(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The EAGLE-3 drafter over ``batch``'s layout, fed ``input_ids`` and ``hidden`` [T, H_draft];
+        returns its pre-norm output. Eager (counted in ``drafter_eager_steps``); its attention reads the
+        batch directly, so no step context is bound."""
+        self.drafter_eager_steps += 1
+        return self.eagle3(input_ids, batch.positions, hidden, batch)
 
     def graph_stats(self) -> dict[str, int]:
         graphs = self.graphs

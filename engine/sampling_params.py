@@ -22,6 +22,9 @@ class SamplingParams:
     (``None``: no logprobs); logprobs are those of the model's raw distribution.
     Structured output: at most one of ``json_schema`` (JSON text or a dict), ``regex``, ``ebnf``
     (grammar text) or ``json_object``; the grammar itself is checked when the request is added.
+    ``speculative``: False opts this request out of the engine's speculative decoding (its rows
+    keep the batch's uniform shape but accept no draft: its tokens are exactly the plain-decode
+    ones); True asks for it and is refused by an engine started without it; None follows the engine.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     json_object: bool = False
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
+        _check(self.speculative is None or isinstance(self.speculative, bool),
+               f"speculative must be True, False or None, got {self.speculative!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 

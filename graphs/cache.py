@@ -2,7 +2,8 @@
 
 Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
 
-    <identity hash>/manifest.json    keys with compile / capture times and graph-pool growth
+    <identity hash>/manifest.json    keys with first-call / capture times, graphs compiled and graph-pool
+                                     growth, and a summary per graph family
     <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels)
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
 
@@ -36,7 +37,7 @@ from encore.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: one compiled graph per family (graphs/compiler.py), counted per key
 
 
 def default_cache_root() -> Path:
@@ -73,6 +74,21 @@ def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
 
 def _digest(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _families(reports: list) -> dict[str, dict]:
+    """Per family (mode): its keys, the graphs they compiled, and their first-call seconds, those of
+    the keys that compiled a graph apart from those that only ran it."""
+    families: dict[str, dict] = {}
+    for r in reports:
+        family = families.setdefault(r.key.mode.value,
+                                     {"keys": 0, "graphs_compiled": 0, "compile_s": 0.0, "run_s": 0.0})
+        family["keys"] += 1
+        family["graphs_compiled"] += r.graphs_compiled
+        family["compile_s" if r.graphs_compiled else "run_s"] += r.compile_s
+    for family in families.values():
+        family["compile_s"], family["run_s"] = round(family["compile_s"], 3), round(family["run_s"], 3)
+    return families
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +154,9 @@ class GraphCache:
                 os.environ["FLASHINFER_WORKSPACE_BASE"] = previous
 
     def write_manifest(self, reports: list) -> dict:
-        """Records ``reports`` (graphs.runner.KeyReport, one per key) as this cache's manifest."""
+        """Records ``reports`` (graphs.runner.KeyReport, one per key) as this cache's manifest. A key's
+        ``compile_s`` is its first call: its family's compile on the family's first key, a plain run on
+        the rest; ``families`` splits each family's time so."""
         manifest = {
             "format": MANIFEST_FORMAT,
             "identity_hash": _digest(self.ident),
@@ -148,8 +166,9 @@ class GraphCache:
             "graph_pool_bytes": sum(r.pool_bytes for r in reports),
             "keys": [{"mode": r.key.mode.value, "num_extends": r.key.num_extends,
                       "q_len_per_req": r.key.q_len_per_req, "bs": r.key.bs, "num_tokens": r.key.num_tokens,
-                      "compile_s": round(r.compile_s, 3), "capture_s": round(r.capture_s, 3),
-                      "pool_bytes": r.pool_bytes} for r in reports],
+                      "graphs_compiled": r.graphs_compiled, "compile_s": round(r.compile_s, 3),
+                      "capture_s": round(r.capture_s, 3), "pool_bytes": r.pool_bytes} for r in reports],
+            "families": _families(reports),
         }
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.manifest_path.with_suffix(".tmp")

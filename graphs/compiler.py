@@ -1,19 +1,44 @@
-"""The encore compile backend and the per-key compiled model.
+"""The encore compile backend and the model compiled once per graph family.
 
-``torch.compile(entry, backend=EncoreBackend(key, ...), fullgraph=True, dynamic=False)`` per graph
-key. Dynamo hands the backend a torch-level FX graph; the backend re-traces it to ATen with
-``make_fx`` (in dynamo's fake mode: every tensor carries ``meta["val"]``, encore's custom ops appear
-as themselves, mutation as mutation), runs encore's passes on that graph, and gives the result to
-Inductor. Passes therefore see one graph per key and may specialize on it (a DECODE key's graph
-loses its prefill branch); Inductor's FX-graph cache keys on the graph after the passes, so what the
-passes did is part of every cache key without a ``CustomGraphPass.uuid``.
+A *family* is what encore's passes specialize on: the step's mode (``ForwardMode`` DECODE, MIXED or
+EXTEND). Every graph key of one mode shares one ``torch.compile(..., backend=EncoreBackend(mode),
+fullgraph=True)`` whose token count and prefill-token count are symbolic, the way vLLM compiles one
+dynamic-shape graph and captures CUDA graphs per size: dynamo traces, the passes run and Inductor
+compiles once per family, and each further key of the family only runs (and, on CUDA, captures)
+the compiled callable at its own sizes. A key's batch size, prefill rows and decode q_len never
+reach the graph: the model reads none of them, and the attention ops read them from the step context
+(``backends/context.py``), outside the graph — so one family's graph serves them all.
 
-Why a fresh code object per key: dynamo keeps its compiled entries, and its recompile limit, per
-code object, so keys sharing one entry function would evict each other past the limit; with one each,
-a key compiles once and any later recompile (a guard that failed) is counted per key. Recompiles are
-bounded: past ``max_compiles`` a key's backend stops compiling and hands dynamo's graph back to run
-as it is (eager speed, still correct), so a guard that keeps failing cannot keep the GPU waiting on
-the compiler.
+What is symbolic: dim 0 of ``input_ids`` and ``positions`` (T, the step's tokens), marked with
+``torch._dynamo.mark_dynamic`` on every call, under ``dynamic=False``: ``dynamic=True`` would also
+make the latent caches, the RoPE table and every other tensor the step touches dynamic, and
+automatic dynamic would turn any other shape that changes into a symbol silently. A MIXED step also
+passes a view of its first ``num_extend_tokens`` ids (n, marked too): the dispatch-split pass cuts
+attention at n, so n must be a graph input, which ``aten_graph`` tags ``meta["step_size"] =
+NUM_EXTEND_TOKENS`` for the passes. Everything else is static and guarded: a different dtype, device
+or cache shape recompiles the family. Dynamo guards nothing on the ``ForwardBatch`` argument: the
+traced code only passes it along.
+
+Why ``backed_size_oblivious``: a backed size is otherwise specialized when it is 0 or 1 (a bs=1
+DECODE key has T = 1), and a graph traced at T = 64 guards T >= 2, so the bs=1 key would compile a
+second graph. Size-oblivious reasoning keeps 1 in the symbol's range without specializing on it.
+It is patched around each call of the compiled family (dynamo traces and Inductor compiles inside
+it), never set at import. It does not reach every decision: a view whose fake strides depend on
+whether T is 1 still guards T >= 2, so a pass must not leave one (passes/README.md, invariant 5).
+
+The backend re-traces dynamo's torch-level graph to ATen with ``make_fx`` (in dynamo's fake mode:
+every tensor carries ``meta["val"]``, encore's custom ops appear as themselves, mutation as
+mutation), runs encore's passes on it, and gives the result to Inductor. Inductor's FX-graph cache
+keys on the graph after the passes, so what the passes did is part of every cache key without a
+``CustomGraphPass.uuid``. A warm start reads Inductor's (and AOTAutograd's) work back from that
+cache, but dynamo still traces, and the backend still re-traces, each family once per process.
+
+Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
+code object, so families sharing one entry function would evict each other past the limit; with one
+each, a family compiles once and any later recompile (a guard that failed) is counted per family.
+Recompiles are bounded: past ``max_compiles`` a family's backend stops compiling and hands dynamo's
+graph back to run as it is (eager speed, still correct), so a guard that keeps failing cannot keep
+the GPU waiting on the compiler.
 """
 
 from __future__ import annotations
@@ -21,18 +46,26 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import fx
+from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 from torch._guards import detect_fake_mode
+from torch.fx.experimental import _config as fx_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.graphs.keys import GraphKey
 
 log = logging.getLogger(__name__)
+
+# meta["step_size"] of the ATen graph input that binds the step's prefill-token count (MIXED graphs);
+# passes find it with passes.fx_utils.step_size.
+NUM_EXTEND_TOKENS = "num_extend_tokens"
 
 
 class GraphPass(Protocol):
@@ -45,20 +78,22 @@ class GraphPass(Protocol):
 
 @dataclass(slots=True)
 class CompileRecord:
-    """What compiling one key cost. ``compiles`` > 1 means dynamo recompiled it (a guard failed)."""
+    """What compiling one family cost. ``compiles`` > 1 means dynamo recompiled it (a guard failed);
+    ``keys`` are the graph keys that have run on it."""
 
     compiles: int = 0
     seconds: float = 0.0
     matches: dict[str, int] = field(default_factory=dict)
+    keys: set[GraphKey] = field(default_factory=set)
 
 
 class EncoreBackend:
-    """A dynamo backend for one key: ATen re-trace, encore's passes, then Inductor (or, with
+    """A dynamo backend for one family: ATen re-trace, encore's passes, then Inductor (or, with
     ``inductor=False``, the rewritten graph run as is — what pass tests use)."""
 
-    def __init__(self, key: GraphKey, passes: Sequence[GraphPass], record: CompileRecord, inductor: bool = True,
-                 compile_threads: int | None = None, max_compiles: int = 2) -> None:
-        self.key = key
+    def __init__(self, family: ForwardMode, passes: Sequence[GraphPass], record: CompileRecord,
+                 inductor: bool = True, compile_threads: int | None = None, max_compiles: int = 2) -> None:
+        self.family = family
         self.passes = tuple(passes)
         self.record = record
         self.inductor = inductor
@@ -69,10 +104,10 @@ class EncoreBackend:
         start = time.perf_counter()
         self.record.compiles += 1
         if self.record.compiles > 1:
-            log.warning("graph key %s is being recompiled (compile #%d): a dynamo guard failed",
-                        self.key, self.record.compiles)
+            log.warning("%s graph is being recompiled (compile #%d): a dynamo guard failed", self.family.value,
+                        self.record.compiles)
         if self.record.compiles > self.max_compiles:
-            log.warning("graph key %s: past %d compiles, running dynamo's graph uncompiled", self.key,
+            log.warning("%s graph: past %d compiles, running dynamo's graph uncompiled", self.family.value,
                         self.max_compiles)
             return gm
         graph_module = aten_graph(gm, example_inputs)
@@ -96,14 +131,36 @@ class EncoreBackend:
 
 def aten_graph(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
     """Re-traces dynamo's graph to ATen in dynamo's own fake mode (so views of one parameter storage
-    stay views of one fake storage, which the pre-attention fusion relies on)."""
+    stay views of one fake storage, which the pre-attention fusion relies on), and tags the input
+    that binds the prefill-token count with ``meta["step_size"]``."""
     fake_mode = detect_fake_mode(example_inputs)
     fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with fake_mode:
-        return make_fx(gm, tracing_mode="real")(*fakes)
+        module = make_fx(gm, tracing_mode="real")(*fakes)
+    for node in module.graph.find_nodes(op="placeholder"):
+        if any(map(_is_extend_ids_size, _sources(node.meta.get("val")))):
+            node.meta["step_size"] = NUM_EXTEND_TOKENS
+    return module
 
 
-def _entry(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+def _sources(value: object) -> list:
+    """Where dynamo read a symbolic size input from (its shape environment records every source)."""
+    if not isinstance(value, torch.SymInt):
+        return []
+    return value.node.shape_env.var_to_sources.get(value.node.expr, [])
+
+
+def _is_extend_ids_size(source: object) -> bool:
+    return (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE and source.idx == 0
+            and isinstance(source.base, LocalSource) and source.base.local_name == "extend_ids")
+
+
+def _entry(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+           extend_ids: torch.Tensor | None) -> torch.Tensor:
+    if extend_ids is not None:
+        # The one use of the prefill-token count inside the graph (dynamo drops an input that nothing
+        # uses): it keeps n a graph input for the dispatch split to cut at.
+        torch._check(extend_ids.shape[0] < input_ids.shape[0])
     return model(input_ids, positions, batch)
 
 
@@ -112,32 +169,71 @@ def fresh_entry() -> Callable:
     return types.FunctionType(_entry.__code__.replace(), _entry.__globals__, "encore_step")
 
 
+@contextmanager
+def symbolic_sizes() -> Iterator[None]:
+    """Where a family's graph is traced and compiled: 0 and 1 stay in a size's range (module docstring)."""
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+def step_inputs(key: GraphKey, batch: ForwardBatch) -> tuple:
+    """``_entry``'s arguments after the model for ``batch`` padded to ``key``, with the symbolic dims marked."""
+    torch._dynamo.mark_dynamic(batch.input_ids, 0)
+    torch._dynamo.mark_dynamic(batch.positions, 0)
+    extend_ids = None
+    if key.mode is ForwardMode.MIXED:
+        extend_ids = batch.input_ids[:key.num_extend_tokens]
+        torch._dynamo.mark_dynamic(extend_ids, 0)
+    return batch.input_ids, batch.positions, batch, extend_ids
+
+
+def compile_family(backend: Callable) -> Callable[[torch.nn.Module, GraphKey, ForwardBatch], torch.Tensor]:
+    """One family's compiled step: ``(model, key, batch) -> hidden [T, hidden]`` through ``backend``."""
+    compiled = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+
+    def step(model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+        inputs = step_inputs(key, batch)
+        with symbolic_sizes():
+            return compiled(model, *inputs)
+
+    return step
+
+
 class CompiledModel:
-    """One compiled callable per graph key, compiled on first use.
+    """One compiled callable per family (``key.mode``), compiled on the family's first key.
 
-    ``passes_for(key)`` builds the key's pass list (passes are specialized by key)."""
+    ``passes_for(family)`` builds the family's pass list (passes are specialized by family)."""
 
-    def __init__(self, model: torch.nn.Module, passes_for: Callable[[GraphKey], Sequence[GraphPass]],
+    def __init__(self, model: torch.nn.Module, passes_for: Callable[[ForwardMode], Sequence[GraphPass]],
                  inductor: bool = True, compile_threads: int | None = None) -> None:
         self.model = model
         self.passes_for = passes_for
         self.inductor = inductor
         self.compile_threads = compile_threads
-        self.records: dict[GraphKey, CompileRecord] = {}
-        self._compiled: dict[GraphKey, Callable] = {}
+        self.records: dict[ForwardMode, CompileRecord] = {}
+        self._compiled: dict[ForwardMode, Callable] = {}
 
-    def __call__(self, key: GraphKey, batch) -> torch.Tensor:
+    def __call__(self, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
         """Runs ``batch`` (already padded to ``key``, bound in the step context) -> hidden [T, hidden]."""
-        fn = self._compiled.get(key)
-        if fn is None:
-            record = self.records[key] = CompileRecord()
-            backend = EncoreBackend(key, self.passes_for(key), record, self.inductor, self.compile_threads)
-            fn = self._compiled[key] = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
-        return fn(self.model, batch.input_ids, batch.positions, batch)
+        family = key.mode
+        step = self._compiled.get(family)
+        if step is None:
+            record = self.records[family] = CompileRecord()
+            backend = EncoreBackend(family, self.passes_for(family), record, self.inductor, self.compile_threads)
+            step = self._compiled[family] = compile_family(backend)
+        self.records[family].keys.add(key)
+        return step(self.model, key, batch)
 
     @property
     def compiled_keys(self) -> int:
-        return len(self.records)
+        """Graph keys that have run compiled (each on its family's graph)."""
+        return sum(len(r.keys) for r in self.records.values())
+
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs dynamo traced and handed the backend: one per family, plus its recompiles (past
+        ``max_compiles`` those run uncompiled)."""
+        return sum(r.compiles for r in self.records.values())
 
     @property
     def recompiles(self) -> int:

@@ -1,11 +1,13 @@
-"""Runs steps on graph keys: the compiled callable of each key and, on CUDA, its captured graph.
+"""Runs steps on graph keys: the compiled callable of each key's family and, on CUDA, its captured graph.
 
-``prepare`` compiles every key (and captures it) once, largest first: CUDA graphs share one memory
-pool, and a pool sized by the largest capture is reused by every smaller one. Each capture runs on
+``prepare`` runs every key (and captures it) once, largest first: CUDA graphs share one memory
+pool, and a pool sized by the largest capture is reused by every smaller one. A family's graph is
+compiled on its first key, its largest (graphs/compiler.py), and every later key of the family
+only runs it at its own sizes. Each capture runs on
 the static step buffers with an all-padding step bound in the step context, after a warm-up that
 compiles, autotunes and JIT-builds whatever the step touches. ``run`` pads a step to its key's
-buffers, plans the backend's metadata outside the graph, then calls the key's compiled callable or
-replays its graph. A step that fits no key returns None: the caller runs it eager.
+buffers, plans the backend's metadata outside the graph, then calls its family's compiled callable
+or replays the key's graph. A step that fits no key returns None: the caller runs it eager.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KeyReport:
-    """What preparing one key took: compile (first call, warm-up included) and capture seconds, and
-    the graph pool's growth in bytes during the capture (0 without CUDA graphs)."""
+    """What preparing one key took: compile (first call, warm-up included) and capture seconds, the
+    graph pool's growth in bytes during the capture (0 without CUDA graphs), and how many graphs its
+    first call compiled (1 on a family's first key, 0 on the rest, whose compile_s is a plain run)."""
 
     key: GraphKey
     compile_s: float
     capture_s: float
     pool_bytes: int
+    graphs_compiled: int = 0
 
 
 @dataclass(slots=True)
@@ -78,21 +82,24 @@ class GraphRunner:
         for index, key in enumerate(self.keys):
             static = self.buffers.fill(key, None)
             with self.context.bind(static):
-                self.backend.plan(static)
-                start = time.perf_counter()
+                self.backend.plan(static, static=True)
+                start, graphs = time.perf_counter(), self._graphs_compiled()
                 if self.cuda_graphs:
                     self._warm_up_on_side_stream(key, static)
                 else:
                     self._call(key, static)
-                compile_s = time.perf_counter() - start
+                compile_s, graphs = time.perf_counter() - start, self._graphs_compiled() - graphs
                 capture_s, pool_bytes = self._capture(key, static) if self.cuda_graphs else (0.0, 0)
-            report = KeyReport(key, compile_s, capture_s, pool_bytes)
-            log.info("graph key %d/%d %s: compile %.1fs, capture %.2fs, pool +%.1f MiB", index + 1,
-                     len(self.keys), key, compile_s, capture_s, pool_bytes / 2**20)
+            report = KeyReport(key, compile_s, capture_s, pool_bytes, graphs)
+            log.info("graph key %d/%d %s: %s %.1fs, capture %.2fs, pool +%.1f MiB", index + 1, len(self.keys), key,
+                     "compile" if graphs else "run", compile_s, capture_s, pool_bytes / 2**20)
             reports.append(report)
             if on_key is not None:
                 on_key(index, report)
         return reports
+
+    def _graphs_compiled(self) -> int:
+        return self.compiled.compiled_graphs if self.compiled is not None else 0
 
     def _warm_up_on_side_stream(self, key: GraphKey, static: ForwardBatch) -> None:
         # Warm-up outside the capture stream (the CUDA-graph docs' recipe): lazy initializations
@@ -129,7 +136,7 @@ class GraphRunner:
         self.steps_per_key[key] += 1
         captured = self._captured.get(key)
         with self.context.bind(padded):
-            self.backend.plan(padded)
+            self.backend.plan(padded, static=True)
             if captured is not None:
                 captured.graph.replay()
                 self.graph_replays += 1

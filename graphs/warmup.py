@@ -1,10 +1,12 @@
 """``encore graphs warmup`` and ``encore graphs list``: build the graph cache ahead of serving.
 
-``warmup`` loads the model and compiles (and, on CUDA, captures) every graph key with a progress line
-per key, inside the graph cache of this model + configuration (graphs/cache.py), and writes its
-manifest. A later engine start with the same model, graph settings and versions finds the cache:
-Inductor's compile work is read back and only the CUDA graphs are captured again (they cannot be
-stored). ``list_manifest`` prints what the cache holds.
+``warmup`` loads the model and prepares every graph key with a progress line per key: the first key
+of each family (mode) compiles the family's graph, every key runs it and, on CUDA, captures its own
+CUDA graph (graphs/compiler.py). It works inside the graph cache of this model + configuration
+(graphs/cache.py) and writes its manifest. A later engine start with the same model, graph settings
+and versions finds the cache: Inductor's compile work is read back (dynamo still traces each family
+once) and the CUDA graphs are captured again (they cannot be stored). ``list_manifest`` prints what
+the cache holds.
 
 The CLI itself lives in server/cli.py; it calls ``add_graphs_subcommands(subparsers)`` to get both
 commands, each of which sets ``run`` (``args.run(args) -> int``, server/cli.py's convention).
@@ -20,31 +22,40 @@ from pathlib import Path
 from typing import TextIO
 
 from encore.engine.config import EngineConfig
-from encore.graphs.cache import default_cache_root
+from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
+from encore.graphs.keys import GraphKey
 from encore.graphs.runner import KeyReport
 
 
 class Progress:
-    """``key N/M <key> compile Xs capture Ys | elapsed | ETA``, one line per key (redrawn in place on
-    a terminal). The ETA assumes the remaining keys cost the mean so far; keys go largest first, so
-    it errs long."""
+    """``key N/M <key> compile|run Xs capture Ys | elapsed | ETA``, one line per key (redrawn in place
+    on a terminal), for ``keys`` in the order they are prepared. The ETA charges each family not yet
+    compiled the mean compile so far and each other remaining key the mean of the keys that only ran
+    (the first key's cost until one has)."""
 
-    def __init__(self, total: int, out: TextIO) -> None:
-        self.total = total
+    def __init__(self, keys: tuple[GraphKey, ...], out: TextIO) -> None:
+        self.keys = keys
         self.out = out
         self.start = time.perf_counter()
         self.tty = out.isatty()
+        self.compile_s: list[float] = []  # first-call + capture seconds of keys that compiled a graph
+        self.run_s: list[float] = []  # the same, of keys that only ran their family's graph
 
     def __call__(self, index: int, report: KeyReport) -> None:
-        done = index + 1
+        done, total = index + 1, len(self.keys)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - done)
+        (self.compile_s if report.graphs_compiled else self.run_s).append(report.compile_s + report.capture_s)
+        compiled = {k.mode for k in self.keys[:done]}
+        new_families = len({k.mode for k in self.keys[done:]} - compiled)
+        mean_compile = sum(self.compile_s) / len(self.compile_s) if self.compile_s else 0.0
+        mean_run = sum(self.run_s) / len(self.run_s) if self.run_s else mean_compile
+        eta = new_families * mean_compile + (total - done - new_families) * mean_run
         width = 24
-        filled = width * done // self.total
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] key {done}/{self.total} {report.key} "
-                f"compile {report.compile_s:.1f}s capture {report.capture_s:.2f}s | "
-                f"elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
-        end = "\n" if not self.tty or done == self.total else ""
+        filled = width * done // total
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] key {done}/{total} {report.key} "
+                f"{'compile' if report.graphs_compiled else 'run'} {report.compile_s:.1f}s "
+                f"capture {report.capture_s:.2f}s | elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
+        end = "\n" if not self.tty or done == total else ""
         self.out.write(("\r\x1b[2K" if self.tty else "") + line + end)
         self.out.flush()
 
@@ -56,9 +67,9 @@ def _clock(seconds: float) -> str:
 
 def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None = None, progress: bool = True,
            out: TextIO | None = None, **engine_options) -> dict:
-    """Compiles (and on CUDA captures) every graph key of ``model`` under the graph cache; returns
-    the manifest written. ``engine_options`` are EngineConfig fields (dtype, page_size, graph sizes…):
-    pass the ones the server will use, since they pick the cache."""
+    """Compiles every graph family of ``model`` and runs (on CUDA captures) every graph key under the
+    graph cache; returns the manifest written. ``engine_options`` are EngineConfig fields (dtype,
+    page_size, graph sizes…): pass the ones the server will use, since they pick the cache."""
     from encore.engine.model_runner import ModelRunner
     from encore.models.config import ModelConfig
 
@@ -73,11 +84,12 @@ def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None
     runner = ModelRunner(config, model_config, config.max_model_len or model_config.max_position_embeddings)
     if runner.graphs is None:
         raise ValueError("no graph key fits max_num_batched_tokens / max_num_seqs; nothing to warm up")
-    bar = Progress(len(runner.graphs.keys), out) if progress else None
+    bar = Progress(runner.graphs.keys, out) if progress else None
     runner.prepare_graphs(on_key=bar, rewrite_manifest=True)
     manifest = json.loads(runner.graph_cache.manifest_path.read_text())
     if progress:
-        out.write(f"warm-up done in {_clock(time.perf_counter() - start)}: {len(manifest['keys'])} keys, graph pool "
+        out.write(f"warm-up done in {_clock(time.perf_counter() - start)}: {len(manifest['keys'])} keys, "
+                  f"{sum(f['graphs_compiled'] for f in manifest['families'].values())} graphs compiled, graph pool "
                   f"{manifest['graph_pool_bytes'] / 2**20:.1f} MiB, cache {runner.graph_cache.root}\n")
     return manifest
 
@@ -91,21 +103,27 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
     for path in sorted(root.glob("*/manifest.json")):
         try:
             manifest = json.loads(path.read_text())
-            keys, ident = manifest["keys"], manifest["identity"]
+            keys, ident, families = manifest["keys"], manifest["identity"], manifest["families"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             out.write(f"{path.parent}: unreadable manifest ({exc}); it will be rebuilt\n")
+            continue
+        if manifest.get("format") != MANIFEST_FORMAT:
+            out.write(f"{path.parent}: manifest format {manifest.get('format')!r}; it will be rebuilt\n")
             continue
         manifests.append(manifest)
         arch = ident.get("model_config", {}).get("architecture", "?")
         versions = ", ".join(f"{k} {v}" for k, v in ident.get("versions", {}).items())
         out.write(f"{path.parent.name}  {arch}  {ident.get('device')}  dtype={ident.get('dtype')}  "
                   f"created {manifest.get('created')}  ({versions})\n")
-        out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'compile_s':>9} "
+        out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'graphs':>6} {'first_s':>8} "
                   f"{'capture_s':>9} {'pool_MiB':>8}\n")
         for k in keys:
             out.write(f"  {k['mode']:<7} {k['num_extends']:>7} {k['q_len_per_req']:>5} {k['bs']:>5} "
-                      f"{k['num_tokens']:>6} {k['compile_s']:>9.2f} {k['capture_s']:>9.3f} "
+                      f"{k['num_tokens']:>6} {k['graphs_compiled']:>6} {k['compile_s']:>8.2f} {k['capture_s']:>9.3f} "
                       f"{k['pool_bytes'] / 2**20:>8.1f}\n")
+        for mode, family in families.items():
+            out.write(f"  family {mode}: {family['keys']} keys, {family['graphs_compiled']} graph(s) compiled, "
+                      f"{family['compile_s']:.1f}s to compile, {family['run_s']:.1f}s to run the other keys\n")
         out.write(f"  {len(keys)} keys, {manifest.get('total_s', 0):.1f}s, graph pool "
                   f"{manifest.get('graph_pool_bytes', 0) / 2**20:.1f} MiB\n")
     if not manifests:

@@ -136,17 +136,28 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    """``aux_layers``: layers whose input (the residual stream entering them; index
+    num_hidden_layers is the last layer's output) ``forward`` returns after the normed state."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.aux_layers = aux_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
             x = layer(x, positions, batch)
-        return self.norm(x)
+        if len(self.layers) in self.aux_layers:
+            aux.append(x)
+        # One tensor, so that a compiled or captured graph keeps a single output buffer.
+        return torch.cat([self.norm(x), *aux], dim=-1) if aux else self.norm(x)  # [T, (1 + A) * hidden]
 
 
 class SharedHead(nn.Module):
@@ -185,14 +196,20 @@ class MTPLayer(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     """The target model. ``forward`` returns the final-normed hidden state of every token (what the
-    MTP layer consumes); ``compute_logits`` applies the head to the gathered rows only."""
+    MTP layer consumes), [T, hidden]; with ``aux_layers`` (an EAGLE-3 drafter's) it is followed by
+    the input of each of those layers, ascending: [T, (1 + len(aux_layers)) * hidden].
+    ``compute_logits`` applies the head to the gathered rows' normed state only."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, with_mtp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, with_mtp: bool = False,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
+        if list(aux_layers) != sorted(set(aux_layers)) or not all(0 <= i <= cfg.num_hidden_layers for i in aux_layers):
+            raise ValueError(f"aux_layers must be distinct, ascending and in [0, {cfg.num_hidden_layers}], "
+                             f"got {list(aux_layers)}")
         self.cfg = cfg
         max_positions = max(cfg.max_position_embeddings, cfg.rope.original_max_position_embeddings)
         self.rotary = RotaryEmbedding(cfg.rope, max_positions)
-        self.model = DeepseekModel(cfg, self.rotary, backend)
+        self.model = DeepseekModel(cfg, self.rotary, backend, aux_layers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPLayer(cfg, self.rotary, backend) if with_mtp else None
 
@@ -200,4 +217,4 @@ class DeepseekForCausalLM(nn.Module):
         return self.model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        return self.lm_head(hidden[:, :self.cfg.hidden_size]).float()  # [N, V]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -44,9 +44,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}")
 
 
+def checkpoint_names(model_dir: str | Path) -> set[str]:
+    return {name for f in checkpoint_files(Path(model_dir)) for name in _names(f)}
+
+
 def has_mtp_weights(model_dir: str | Path, cfg: ModelConfig) -> bool:
-    prefix = f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"
-    return any(prefix in _names(f) for f in checkpoint_files(Path(model_dir)))
+    return f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in checkpoint_names(model_dir)
 
 
 def _names(path: Path) -> list[str]:
@@ -62,19 +65,34 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
-               dtype: torch.dtype, with_mtp: bool = False) -> DeepseekForCausalLM:
+               dtype: torch.dtype, with_mtp: bool = False, aux_layers: tuple[int, ...] = ()) -> DeepseekForCausalLM:
+    """``aux_layers``: target layers whose input the forward also returns (an EAGLE-3 drafter's)."""
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, backend, with_mtp=with_mtp)
+        model = DeepseekForCausalLM(cfg, backend, with_mtp=with_mtp, aux_layers=aux_layers)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.init_buffers()
-    params = dict(model.named_parameters())
-    pending = {name: _pieces(name, p, cfg) for name, p in params.items()}
+    missing = copy_checkpoint(Path(model_dir), dict(model.named_parameters()),
+                              lambda name: _target(name, cfg, with_mtp))
+    if missing == ["lm_head.weight"] and cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = []
+    if missing:
+        raise ValueError(f"tensors missing from checkpoint {str(model_dir)!r}: {missing[:20]}")
+    return model.eval()
+
+
+def copy_checkpoint(model_dir: Path, params: dict[str, torch.nn.Parameter],
+                    target: Callable[[str], tuple[str, object] | None]) -> list[str]:
+    """Copies each checkpoint tensor into the parameter (or the slice of it) that ``target`` maps its
+    name to (None: skip it). Unknown tensors and wrong shapes are errors that name them; returns the
+    parameters left (partly) unfilled, for the caller to tie or report."""
+    pending = {name: _pieces(name, p) for name, p in params.items()}
     unknown = []
-    for ckpt_name, tensor in _tensors(checkpoint_files(Path(model_dir))):
-        target = _target(ckpt_name, cfg, with_mtp)
-        if target is None:
+    for ckpt_name, tensor in _tensors(checkpoint_files(model_dir)):
+        mapped = target(ckpt_name)
+        if mapped is None:
             continue
-        name, index = target
+        name, index = mapped
         if name not in params:
             unknown.append(ckpt_name)
             continue
@@ -87,16 +105,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBacken
     if unknown:
         hint = " (fp8 block-quantized checkpoints are not supported)" if any("scale" in u for u in unknown) else ""
         raise ValueError(f"unknown tensors in checkpoint {str(model_dir)!r}{hint}: {sorted(unknown)[:20]}")
-    missing = sorted(n for n, left in pending.items() if left > 0)
-    if missing == ["lm_head.weight"] and cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = []
-    if missing:
-        raise ValueError(f"tensors missing from checkpoint {str(model_dir)!r}: {missing[:20]}")
-    return model.eval()
+    return sorted(n for n, left in pending.items() if left > 0)
 
 
-def _pieces(name: str, param: torch.Tensor, cfg: ModelConfig) -> int:
+def _pieces(name: str, param: torch.Tensor) -> int:
     """How many checkpoint tensors fill this parameter."""
     if name.endswith("experts.w13"):
         return 2 * param.shape[0]

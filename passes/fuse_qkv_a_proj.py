@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 
 from encore.passes.fx_utils import (adjacent_rows, aten, call, comes_before, encore, find_op_nodes, is_op,
-                                   tuple_outputs, val)
+                                   size_arg, tuple_outputs, val)
 
 
 class FuseQkvAProj:
@@ -15,12 +18,17 @@ class FuseQkvAProj:
         q  = mm(x, t(w_q))            [T, Nq]         w   = as_strided(w_q, [Nq + L, H], [H, 1], off(w_q))
         kv = mm(x, t(w_kv))           [T, L]          qkv = mm(x, t(w))                  [T, Nq + L]
         kv_c, k_pe = split(kv, [R, dr])               q   = slice(qkv, 1, 0, Nq)
-                                                      kv  = slice(qkv, 1, Nq, Nq + L)
+        q_heads = view(q, [T, H, D])                  kv  = slice(qkv, 1, Nq, Nq + L)
+                                                      q_heads = as_strided(qkv, [T, H, D], [Nq + L, D, 1], 0)
 
     ``kv`` is recognized by its use: the rope part of its split is the ``k_pe`` of a ``rotary`` or
     ``rope_cache_write``. The pass fires only where ``w_kv``'s rows directly follow ``w_q``'s in one
     storage (``graphs/weights.py`` lays them out so): the fused weight is then a view, and nothing is
     copied at run time. Bias-free projections only (DeepSeek's have none).
+
+    A view of ``q`` into heads (models without q-LoRA) becomes an ``as_strided`` of ``qkv``: the view
+    of a column slice makes fake-tensor stride reasoning guard on T != 1 (T is symbolic), so a family
+    traced at T > 1 would recompile for its bs=1 key; ``as_strided`` states the same strides outright.
     """
 
     def __init__(self) -> None:
@@ -48,6 +56,7 @@ class FuseQkvAProj:
                 graph.erase_node(old)
                 if not transpose.users:
                     graph.erase_node(transpose)
+            _heads_as_strided(graph, q, qkv, total)
             self.matches += 1
 
     def _query_partner(self, kv_mm: fx.Node) -> fx.Node | None:
@@ -61,6 +70,20 @@ class FuseQkvAProj:
             if _weight_placeholder(user) and adjacent_rows(val(user.args[1].args[0]), w_kv):
                 return user
         return None
+
+
+def _heads_as_strided(graph: fx.Graph, q: fx.Node, qkv: fx.Node, row_stride: int) -> None:
+    """Each view of ``q`` [T, Nq] (columns 0..Nq of ``qkv``) into [T, *heads] -> as_strided of ``qkv``."""
+    num_q = val(q).shape[1]
+    for view in [u for u in q.users if is_op(u, aten.view.default)]:
+        tokens, heads = size_arg(graph, val(view).shape[0]), val(view).shape[1:]
+        if tokens is None or not all(isinstance(d, int) for d in heads) or math.prod(heads) != num_q:
+            continue  # not a split of the query columns into heads
+        with graph.inserting_before(view):
+            strided = call(graph, aten.as_strided.default, qkv, [tokens, *heads],
+                           [row_stride, *make_contiguous_strides_for(heads)], 0)
+        view.replace_all_uses_with(strided)
+        graph.erase_node(view)
 
 
 def _weight_placeholder(mm: fx.Node) -> bool:

@@ -58,6 +58,22 @@ def fake_mode_of(graph: fx.Graph):
     raise ValueError("graph has no fake values in meta['val']; passes need a graph traced by make_fx")
 
 
+def step_size(graph: fx.Graph, name: str) -> fx.Node | None:
+    """The graph input that binds the step size ``name`` (graphs/compiler.py tags it in
+    ``meta["step_size"]``), or None if the graph has none."""
+    return next((n for n in graph.find_nodes(op="placeholder") if n.meta.get("step_size") == name), None)
+
+
+def size_arg(graph: fx.Graph, size: int | torch.SymInt) -> int | fx.Node | None:
+    """``size`` as a node argument: an int as is, a symbolic size as the graph input that binds it
+    (inputs come first, so it is defined wherever it is used); None if no input binds it alone."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    expr = size.node.expr
+    return next((n for n in graph.find_nodes(op="placeholder")
+                 if isinstance(n.meta.get("val"), torch.SymInt) and n.meta["val"].node.expr == expr), None)
+
+
 def uses_after(node: fx.Node, anchor: fx.Node) -> list[fx.Node]:
     """Users of ``node`` that come after ``anchor`` in graph order."""
     order = {n: i for i, n in enumerate(anchor.graph.nodes)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from encore.passes.fx_utils import aten, call, encore, find_op_nodes, is_op, val
+from encore.passes.fx_utils import aten, call, encore, find_op_nodes, is_op, size_arg, val
 
 
 class SharedOProj:
@@ -18,7 +18,8 @@ class SharedOProj:
         o = mm(view(cat([out_p, out_d])), t(w_o))
 
     No concatenation and no copy: each branch writes its rows of the buffer in place, and the one
-    o_proj GEMM reads it. Fires only on a ``cat`` along tokens of exactly two graph-allocated buffers,
+    o_proj GEMM reads it. n and T may be symbolic: the buffer and its slices then take them from the
+    graph inputs that bind them. Fires only on a ``cat`` along tokens of exactly two graph-allocated buffers,
     each written by one attention branch (prefill first) and read by nothing but the ``cat``.
     """
 
@@ -36,11 +37,13 @@ class SharedOProj:
             if not (writers[0] is not None and writers[1] is not None
                     and is_op(writers[0], encore.mla_prefill.default) and is_op(writers[1], encore.mla_decode.default)):
                 continue
-            n, total = val(parts[0]).shape[0], val(cat).shape[0]
             merged_val = val(cat)
+            n, shape = size_arg(graph, val(parts[0]).shape[0]), [size_arg(graph, s) for s in merged_val.shape]
+            if n is None or any(size is None for size in shape):  # a size no graph input binds
+                continue
+            total = shape[0]
             with graph.inserting_before(parts[0]):
-                out = call(graph, aten.empty.memory_format, list(merged_val.shape), dtype=merged_val.dtype,
-                           device=merged_val.device)
+                out = call(graph, aten.empty.memory_format, shape, dtype=merged_val.dtype, device=merged_val.device)
             for writer, part, (lo, hi) in zip(writers, parts, ((0, n), (n, total))):
                 with graph.inserting_before(writer):
                     writer.replace_input_with(part, call(graph, aten.slice.Tensor, out, 0, lo, hi))

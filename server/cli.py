@@ -77,7 +77,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: %(default)s)")
     group.add_argument("--dtype", help="float32, bfloat16, float16 or auto")
-    group.add_argument("--attention-backend", help="auto (triton on CUDA, torch on CPU), torch or triton")
+    group.add_argument("--attention-backend", help="auto (flashinfer where it takes the model, else triton on "
+                       "CUDA; torch on CPU), torch, triton or flashinfer")
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)
@@ -87,8 +88,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="run the model eagerly (default: compiled on CUDA)")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                        help="do not capture CUDA graphs (default: captured on CUDA)")
-    group.add_argument("--speculative-method", choices=("mtp", "ngram"),
-                       help="speculative decoding with the checkpoint's MTP layer or n-gram lookup")
+    group.add_argument("--speculative-method", choices=("mtp", "eagle3", "ngram"),
+                       help="speculative decoding with the checkpoint's MTP layer, an EAGLE-3 drafter or n-gram lookup")
+    group.add_argument("--draft-model", help="the EAGLE-3 draft model's directory (--speculative-method eagle3)")
     group.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step (default: %(default)s)")
 
 
@@ -103,7 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {"model": args.model or str(default_model_dir()), "device": args.device}
     kwargs.update({name: getattr(args, name) for name in _ENGINE_ARGS if getattr(args, name) is not None})
     if args.speculative_method:
-        kwargs["speculative"] = {"method": args.speculative_method,
+        kwargs["speculative"] = {"method": args.speculative_method, "draft_model": args.draft_model,
                                  "num_speculative_tokens": args.num_speculative_tokens}
     return kwargs
 

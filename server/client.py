@@ -28,8 +28,10 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   min_p: float | None = None, repetition_penalty: float | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False, logprobs: int | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest; options left None are left unset, so the server's defaults apply."""
+                  ignore_eos: bool = False, logprobs: int | None = None,
+                  speculative: bool | None = None) -> pb.GenerateRequest:
+    """A GenerateRequest; options left None are left unset, so the server's defaults apply
+    (``speculative=False`` opts the request out of the server's speculative decoding)."""
     request = pb.GenerateRequest(request_id=request_id)
     if isinstance(prompt, str):
         request.text = prompt
@@ -48,6 +50,8 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
     request.stopping.ignore_eos = ignore_eos
     if logprobs is not None:
         request.logprobs = logprobs
+    if speculative is not None:
+        request.speculative = speculative
     return request
 
 

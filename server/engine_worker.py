@@ -77,6 +77,7 @@ def engine_info(engine: Engine) -> EngineInfo:
         qk_rope_head_dim=cfg.qk_rope_head_dim, eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         max_num_seqs=engine.config.max_num_seqs, page_size=engine.config.page_size,
         engine_config={k: str(v) for k, v in dataclasses.asdict(engine.config).items()},
+        speculative_method=engine.config.speculative.method if engine.config.speculative is not None else None,
     )
 
 
@@ -84,7 +85,7 @@ def engine_stats(engine: Engine) -> EngineStats:
     stats = engine.stats()
     steps = dict(stats["steps"])
     # Read with defaults what not every engine build reports: the graph runner's counters (without
-    # it every step is eager), its captured keys, and speculative decoding's counts (not yet).
+    # it every step is eager), its captured keys, and speculative decoding's counts (when it is on).
     return EngineStats(
         steps=steps, kv_pages_free=stats["kv_pages_free"], kv_pages_total=stats["kv_pages_total"],
         running=stats["running"], waiting=stats["waiting"], preemptions=stats["preemptions"],
@@ -170,4 +171,5 @@ class EngineLoop:
             logprobs=out.logprobs[len(out.logprobs) - n:] if out.logprobs is not None else None,
             finish_reason=out.finish_reason if out.finished else None,
             queue_time=self.queue_times.pop(out.request_id, None),
+            num_accepted_tokens=out.num_accepted_tokens,
         )

@@ -62,6 +62,7 @@ class EngineInfo:
     max_num_seqs: int
     page_size: int
     engine_config: dict[str, str]
+    speculative_method: str | None = None  # the engine's drafter; None: no speculative decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     queue_time: float | None = None  # seconds from arrival to its first scheduled step, sent once
+    num_accepted_tokens: int = 0  # draft tokens the target has accepted for it so far (cumulative)
 
 
 @dataclass(frozen=True, slots=True)

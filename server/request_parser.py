@@ -8,9 +8,8 @@ source of truth with the engine); its messages are re-addressed to the proto fie
 A ``response_format`` (JSON schema, regex, EBNF or any JSON object) is parsed here with the engine's
 own ``grammar_spec``, so a bad grammar gets INVALID_ARGUMENT with xgrammar's reason before it reaches
 the engine, and a good one is passed on in the ``SamplingParams``. The per-request ``speculative``
-flag gets UNIMPLEMENTED: speculation is configured per server (``encore serve --speculative-method``),
-and the engine has no per-request toggle, so a request that asks for it is refused, never silently
-ignored.
+flag opts a request out of (false) or into (true) the server's speculative decoding; true on a server
+started without it (``encore serve --speculative-method``) is refused, never silently ignored.
 """
 
 from __future__ import annotations
@@ -57,10 +56,12 @@ class ParsedRequest:
 
 
 class RequestParser:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, speculative: bool = False) -> None:
+        """``speculative``: whether the server runs speculative decoding."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.speculative = speculative
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encore-tokenize")
 
     def close(self) -> None:
@@ -70,10 +71,11 @@ class RequestParser:
         check_request_id(request.request_id)
         token_ids = self._token_ids(request)
         params = self._params(request)
-        if request.HasField("speculative") and request.speculative:
-            raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
-                               "speculative: there is no per-request speculation; it is configured per server "
-                               "with `encore serve --speculative-method`; leave this unset or false")
+        if request.HasField("speculative"):
+            if request.speculative and not self.speculative:
+                raise invalid("speculative: true, but the server runs without speculative decoding (start it with "
+                              "`encore serve --speculative-method`); leave this unset or false")
+            params = dataclasses.replace(params, speculative=request.speculative)
         if request.HasField("response_format"):
             grammar = await self._grammar(request.response_format)
             params = dataclasses.replace(params, **grammar)

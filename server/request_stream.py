@@ -54,6 +54,7 @@ class RequestStream:
         self.finished_at: float | None = None
         self.queue_time: float | None = None
         self.num_output_tokens = 0
+        self.num_accepted_tokens = 0
         self.finish_reason: str | None = None
         self.error: StreamError | None = None
         self._tokens: list[int] = []  # not yet sent
@@ -73,6 +74,7 @@ class RequestStream:
         now = time.monotonic()
         if delta.queue_time is not None:
             self.queue_time = delta.queue_time
+        self.num_accepted_tokens = delta.num_accepted_tokens
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = now
         for i, token in enumerate(delta.token_ids):
@@ -117,8 +119,9 @@ class RequestStream:
             response.finish_reason = FINISH_REASONS[self.finish_reason]
             response.usage.prompt_tokens = self.num_prompt_tokens
             response.usage.completion_tokens = self.num_output_tokens
-            # cached_tokens and spec_accepted_tokens stay 0: the engine has no prefix cache and
-            # no speculative decoding yet, so neither is reported per request.
+            # A stop string found here may cut tokens the engine already accepted as drafts.
+            response.usage.spec_accepted_tokens = min(self.num_accepted_tokens, self.num_output_tokens)
+            # cached_tokens stays 0: the engine has no prefix cache.
         return response
 
 

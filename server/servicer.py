@@ -113,7 +113,7 @@ class GenerationServicer:
             num_attention_heads=info.num_attention_heads, kv_lora_rank=info.kv_lora_rank,
             qk_rope_head_dim=info.qk_rope_head_dim, eos_token_ids=info.eos_token_ids,
             has_tokenizer=self.tokenizer is not None, supports_structured_output=self.tokenizer is not None,
-            supports_speculative=False,
+            supports_speculative=info.speculative_method is not None,
         )
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest | MalformedMessage,
@@ -145,7 +145,8 @@ class GenerationServicer:
     def _request_parser(self) -> RequestParser:
         if self._parser is None:  # built on first use: vocab and context length come from the engine
             info = self.engine.info
-            self._parser = RequestParser(self.tokenizer, info.vocab_size, info.max_model_len)
+            self._parser = RequestParser(self.tokenizer, info.vocab_size, info.max_model_len,
+                                         speculative=info.speculative_method is not None)
         return self._parser
 
     async def _check_message(self, request, context: grpc.aio.ServicerContext) -> None:

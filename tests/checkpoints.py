@@ -94,3 +94,62 @@ def write_mtp_checkpoint(path: Path, vocab: int = VOCAB, seed: int = 0) -> Path:
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+EAGLE3_SHAPE = dict(hidden_size=_COMMON["hidden_size"], intermediate_size=96, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+
+
+def eagle3_config(vocab: int, draft_vocab: int) -> dict:
+    """config.json of a tiny LlamaForCausalLMEagle3 drafter for the tiny targets (GQA 4 / 2 heads,
+    llama3 rope scaling that changes the low frequencies within a few dozen positions)."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **EAGLE3_SHAPE,
+            "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "hidden_act": "silu", "vocab_size": vocab,
+            "draft_vocab_size": draft_vocab, "max_position_embeddings": 512, "rope_theta": 10000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64},
+            "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def write_eagle3_checkpoint(path: Path, vocab: int = VOCAB, draft_vocab: int = 200, seed: int = 0,
+                            target_ids: list[int] | None = None, with_embedding: bool = False) -> Path:
+    """A random EAGLE-3 drafter under the tensor names HF checkpoints use (``midlayer.*``, ``fc``,
+    ``norm``, ``lm_head``, ``d2t``, ``t2d``); draft id i stands for target id ``target_ids[i]``
+    (a seeded random ascending subset of the target vocab unless given), so d2t is non-trivial.
+    Without ``with_embedding`` the drafter shares the target's embedding."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = EAGLE3_SHAPE["hidden_size"], EAGLE3_SHAPE["intermediate_size"]
+    q_out = EAGLE3_SHAPE["num_attention_heads"] * EAGLE3_SHAPE["head_dim"]
+    kv_out = EAGLE3_SHAPE["num_key_value_heads"] * EAGLE3_SHAPE["head_dim"]
+    if target_ids is None:
+        target_ids = sorted(torch.randperm(vocab, generator=gen)[:draft_vocab].tolist())
+    ids = torch.tensor(target_ids, dtype=torch.long)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(hidden, generator=gen)
+
+    tensors = {
+        "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "midlayer.self_attn.q_proj.weight": weight(q_out, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": weight(kv_out, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": weight(kv_out, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": weight(hidden, q_out),
+        "midlayer.mlp.gate_proj.weight": weight(inter, hidden), "midlayer.mlp.up_proj.weight": weight(inter, hidden),
+        "midlayer.mlp.down_proj.weight": weight(hidden, inter),
+        "norm.weight": norm(), "fc.weight": weight(hidden, 3 * hidden), "lm_head.weight": weight(len(ids), hidden),
+        "d2t": ids - torch.arange(len(ids)), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True),
+    }
+    if with_embedding:
+        tensors["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(eagle3_config(vocab, len(ids)), indent=2))
+    return path

@@ -1,5 +1,5 @@
 """Helpers for graph and pass tests: real steps of every mode on a tiny engine, and a test backend
-that runs passes on a key's graph, keeps the graph before and after each, and executes the result."""
+that runs passes on a family's graph, keeps the graph before and after each, and executes the result."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from encore.engine import Engine, SamplingParams
 from encore.engine.request import Request
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.step import build_forward_batch
-from encore.graphs.compiler import aten_graph, fresh_entry
+from encore.graphs.compiler import aten_graph, compile_family
 from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers, padded_index
 from workloads import run_staggered
@@ -136,17 +136,18 @@ class PipelineRun:
 
 
 def run_pipeline(engine: Engine, batch: ForwardBatch, key: GraphKey, passes: list) -> PipelineRun:
-    """Traces the model once for ``key``, runs ``passes`` in order (a Stage each), executes every
-    stage's graph on ``batch`` padded to ``key``, and the eager model on ``batch``."""
+    """Traces the model for ``key``'s family as the compiler does (sizes symbolic), runs ``passes`` in
+    order (a Stage each), executes every stage's graph on ``batch`` padded to ``key``, and the eager
+    model on ``batch``."""
     backend = StagedBackend(passes)
     buffers = StepBuffers(key.num_tokens, key.bs, engine.runner.max_pages_per_row, batch.page_size,
                           engine.runner.device, full_page_table=False)
     padded = buffers.fill(key, batch)
-    entry = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+    step = compile_family(backend)
     real = padded_index(batch, key, torch.arange(batch.num_tokens, device=batch.input_ids.device))
     with torch.inference_mode():
         with engine.runner.context.bind(padded):
-            entry(engine.runner.model, padded.input_ids, padded.positions, padded)
+            step(engine.runner.model, key, padded)
         eager = engine.runner.forward(batch)
     for stage in backend.stages:
         stage.hidden = stage.hidden[real]

@@ -9,6 +9,10 @@ Stochastic (Leviathan et al. / Chen et al.): accept ``d_i`` with probability
 without a distribution (n-gram, replay) propose deterministically: q is one-hot at the draft, so
 acceptance is ``p(d_i)`` and the residual is p with ``d_i`` removed. Greedy rows (one-hot p) reduce
 to "longest prefix equal to the target's argmax, then the target's token".
+
+A row may cap how many of its drafts count (``max_accept``): drafts past the cap were never
+proposed (a request that opted out of speculation has cap 0), so a row that reaches its cap emits a
+token drawn from the target's own ``p_cap``, exactly as a plain decode row would.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ class Verdict:
 
 
 def verify(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-           seeds: torch.Tensor, counters: torch.Tensor) -> Verdict:
+           seeds: torch.Tensor, counters: torch.Tensor, max_accept: torch.Tensor | None = None) -> Verdict:
     """target_probs [B, k + 1, V] (processed, greedy rows one-hot), drafts [B, k] int64,
     draft_probs [B, k, V] or None (deterministic drafter), seeds / counters [B] (counter of the
-    row's first emitted token). Every random number is keyed by (seed, counter + position)."""
+    row's first emitted token), max_accept [B] int64 in 0..k or None (no cap). Every random number
+    is keyed by (seed, counter + position)."""
     rows, k1, vocab = target_probs.shape
     k = k1 - 1
     positions = torch.arange(k1, device=drafts.device)
@@ -49,13 +54,20 @@ def verify(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.
         q_draft = q.gather(2, drafts[..., None]).squeeze(-1)  # [B, k]
         ratio = p_draft / q_draft.clamp_min(1e-30)
     u = _uniforms(seeds, counters, k)  # [B, k]
-    accepted = (u < ratio.clamp(max=1.0)).long()  # [B, k]
-    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
+    accepted = u < ratio.clamp(max=1.0)  # [B, k]
+    if max_accept is not None:
+        accepted &= positions[None, :k] < max_accept[:, None]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     residual = torch.cat([(target_probs[:, :k] - q).clamp_min(0.0), target_probs[:, k:]], dim=1)  # [B, k+1, V]
-    at = residual[torch.arange(rows, device=drafts.device), num_accepted]  # [B, V]
-    # A residual can be all-zero only through rounding when p == q; p itself is then exact.
-    fallback = target_probs[torch.arange(rows, device=drafts.device), num_accepted]
-    at = torch.where(at.sum(dim=-1, keepdim=True) > 0, at, fallback)
+    row_ids = torch.arange(rows, device=drafts.device)
+    at = residual[row_ids, num_accepted]  # [B, V]
+    p_at = target_probs[row_ids, num_accepted]  # [B, V]
+    # A residual can be all-zero only through rounding when p == q; p itself is then exact. A row
+    # stopped by its cap tested no draft there: it samples p itself.
+    use_p = at.sum(dim=-1, keepdim=True) <= 0
+    if max_accept is not None:
+        use_p |= (num_accepted == max_accept)[:, None]
+    at = torch.where(use_p, p_at, at)
     extra = sample_from_probs(at, seeds, counters + num_accepted, SAMPLE_SALT)  # [B]
     tokens = torch.cat([drafts, extra[:, None]], dim=1)  # [B, k + 1]
     tokens = torch.where(positions[None, :] == num_accepted[:, None], extra[:, None], tokens)

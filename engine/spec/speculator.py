@@ -1,14 +1,16 @@
-"""Speculative decoding inside the engine step: verify rows, acceptance, and MTP drafting.
+"""Speculative decoding inside the engine step: verify rows, acceptance, and model drafting.
 
 Verify rows are decode rows of ``q_len_per_req = 1 + k`` fed ``[last token, d_1 .. d_k]``; prefill
 rows in the same step are sampled as usual (as verify rows with k = 0, one code path). Drafts come
-from a host drafter (n-gram lookup, replay) proposed before the step, or from the checkpoint's MTP
-layer run right after the target forward, on device, with no host sync in between:
+from a host drafter (n-gram lookup, replay) proposed before the step, or from a model drafter (the
+checkpoint's MTP layer, or an EAGLE-3 draft model: drafters.py) run right after the target forward,
+on device, with no host sync in between:
 
-1. the MTP's first pass sees the step's own layout — prefill rows (so its KV covers new prompts) and
-   every one of the 1 + k positions of each verify row, fed the target's hidden states and the
-   tokens shifted by one (the verdict's tokens, rejected positions included: padded speculation,
-   their KV is overwritten later) — and reads its first draft at each row's own accepted position;
+1. the drafter's first pass sees the step's own layout — prefill rows (so its KV covers new prompts)
+   and every one of the 1 + k positions of each verify row, fed the target's hidden states (MTP: the
+   final-normed state; EAGLE-3: its auxiliary states) and the tokens shifted by one (the verdict's
+   tokens, rejected positions included: padded speculation, their KV is overwritten later) — and
+   reads its first draft at each row's own accepted position;
 2. draft steps 2..k are decode-only q_len-1 steps whose positions, lengths and cache slots are
    advanced on the GPU.
 
@@ -28,6 +30,7 @@ from encore.engine.sampler import SamplingTensors, needs_token_history, processe
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.spec.acceptance import DRAFT_SALT, verify
 from encore.engine.spec.config import SpecConfig
+from encore.engine.spec.drafters import model_drafter
 from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
 
@@ -37,6 +40,7 @@ class RowResult:
     tokens: list[int]  # emitted this step, in order
     logprobs: list[TokenLogprob] | None
     num_accepted: int | None  # drafts accepted (verify rows only)
+    num_drafted: int = 0  # drafts that counted: k, or 0 for a request that opted out
 
 
 class Speculator:
@@ -44,15 +48,15 @@ class Speculator:
         self.cfg = cfg
         self.k = cfg.num_speculative_tokens
         self.runner = runner
-        self.uses_mtp = cfg.method == "mtp"
+        self.model_drafter = model_drafter(cfg.method, runner)
         if cfg.method == "ngram":
             self.host_drafter = NgramDrafter(self.k, cfg.ngram_min, cfg.ngram_max)
         elif cfg.method == "replay":
             self.host_drafter = ReplayDrafter(self.k, cfg.continuations or {}, cfg.error_rate, vocab_size)
         else:
             self.host_drafter = None
-        self.lookahead = self.k - 1 if self.uses_mtp else 0
-        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of a stochastic MTP draft
+        self.lookahead = self.k - 1 if self.model_drafter is not None else 0
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of a stochastic model draft
         self.drafted = 0
         self.accepted = 0
         self.verify_rows = 0
@@ -63,9 +67,13 @@ class Speculator:
 
     def prepare(self, step: ScheduledStep) -> None:
         """Host drafters propose for this step's verify rows; a row a model drafter has not drafted
-        for (it cannot happen in steady state) repeats its last token, which is simply rejected."""
+        for (it cannot happen in steady state) repeats its last token, which is simply rejected. A
+        request that opted out (``SamplingParams.speculative=False``) keeps the verify row's shape with
+        placeholder drafts that ``run`` caps at zero accepted."""
         for req in step.decodes:
-            if self.host_drafter is not None:
+            if req.params.speculative is False:
+                req.draft_token_ids = [req.token_ids[-1]] * self.k
+            elif self.host_drafter is not None:
                 req.draft_token_ids = self.host_drafter.propose(req)
             elif len(req.draft_token_ids) != self.k:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
@@ -89,9 +97,12 @@ class Speculator:
         rows = len(step.decodes)
         drafts = torch.tensor([r.draft_token_ids for r in step.decodes], dtype=torch.long,
                               device=device).view(rows, k)
+        counted = [0 if r.params.speculative is False else k for r in step.decodes]  # drafts each row may accept
+        caps = torch.tensor(counted, device=device) if 0 in counted else None
         spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts, self._draft_q(step.decodes, drafts),
-                      t.seeds[n_plain::q_len], t.counters[n_plain::q_len])
-        new_drafts = self._mtp_draft(step, batch, hidden, plain.tokens[:, 0], spec) if self.uses_mtp else None
+                      t.seeds[n_plain::q_len], t.counters[n_plain::q_len], caps)
+        new_drafts = (self._model_draft(step, batch, hidden, plain.tokens[:, 0], spec)
+                      if self.model_drafter is not None else None)
         want_logprobs = any(r.params.logprobs is not None for r in sampled)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
         plain_tokens = plain.tokens[:, 0].tolist()
@@ -106,10 +117,12 @@ class Speculator:
             emitted = spec_tokens[b][:a + 1]
             first = n_plain + b * q_len
             results.append(RowResult(req, emitted,
-                                     self._logprobs(logprobs, req, range(first, first + a + 1), emitted), a))
-            self.drafted += k
-            self.accepted += a
-            self.verify_rows += 1
+                                     self._logprobs(logprobs, req, range(first, first + a + 1), emitted), a,
+                                     counted[b]))
+            if counted[b]:
+                self.drafted += counted[b]
+                self.accepted += a
+                self.verify_rows += 1
         if new_drafts is not None:
             drafting = [req for req, n in step.extends if req.num_computed + n == len(req.token_ids)] + step.decodes
             for req, row in zip(drafting, new_drafts.tolist()):
@@ -132,19 +145,19 @@ class Speculator:
                                      [r.prompt_token_ids if history else () for r in sampled], outputs, device)
 
     def _draft_q(self, decodes: list[Request], drafts: torch.Tensor) -> torch.Tensor | None:
-        """Draft distributions for stochastic MTP drafts; None means one-hot at the drafts."""
+        """Draft distributions for stochastic model drafts; None means one-hot at the drafts."""
         if not any(r.request_id in self.draft_probs for r in decodes):
             return None
         vocab = next(iter(self.draft_probs.values())).shape[-1]
         one_hot = torch.nn.functional.one_hot(drafts, vocab).float()  # [B, k, V]
         return torch.stack([self.draft_probs.get(r.request_id, one_hot[b]) for b, r in enumerate(decodes)])
 
-    def _mtp_draft(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
-                   plain_tokens: torch.Tensor, spec) -> torch.Tensor:
+    def _model_draft(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
+                     plain_tokens: torch.Tensor, spec) -> torch.Tensor:
         """k drafts per drafting row ([completing prefill rows ‖ verify rows], [D, k])."""
         runner, k, q_len = self.runner, self.k, self.q_len
         device = runner.device
-        mtp = runner.model.mtp
+        drafter = self.model_drafter
         # Tokens shifted by one: position i is fed the token at i + 1.
         shifted: list[int] = []
         fill_at: list[int] = []  # positions whose next token is this step's sampled token
@@ -172,7 +185,7 @@ class Speculator:
         src_row = torch.cat([torch.tensor(src_rows, dtype=torch.long, device=device),
                              batch.num_extends + torch.arange(rows, device=device)])
         drafting += step.decodes
-        h = runner.forward_mtp(batch, ids, hidden)[src]  # [D, hidden]; the pass also fills the MTP's KV
+        h = drafter.first_pass(batch, ids, hidden)[src]  # [D, H_draft]; the pass also fills the drafter's KV
         if not drafting:  # only partial prefill chunks: nothing to draft yet
             return torch.zeros(0, k, dtype=torch.long, device=device)
         positions = batch.positions[src]  # [D]
@@ -184,11 +197,10 @@ class Speculator:
         for s in range(1, k + 1):
             if s > 1:
                 positions = positions + 1
-                h = runner.forward_mtp(_decode_batch(positions, page_table, batch.page_size, drafts[-1]),
-                                       drafts[-1], h)
+                h = drafter.step(_decode_batch(positions, page_table, batch.page_size, drafts[-1]), drafts[-1], h)
             # The draft of step s is the token at position + 2; its counter is its output index.
             t = replace(base, counters=positions + 2 - prompt_lens)
-            q = processed_probs(mtp.compute_logits(h), t)  # [D, V]
+            q = processed_probs(drafter.logits(h), t)  # [D, V]
             draft = q.argmax(dim=-1) if t.all_greedy else torch.where(
                 t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters, DRAFT_SALT))
             drafts.append(draft)

@@ -7,10 +7,11 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import write_mtp_checkpoint
+from checkpoints import write_eagle3_checkpoint, write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
 from test_kv_cache import check_invariants
 from workloads import run_staggered
@@ -38,17 +39,23 @@ WORKLOADS = {
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 @pytest.mark.parametrize("workload", ["decode", "mixed"])
 def test_greedy_speculation_is_token_identical(reference, method, k, workload):
-    w = WORKLOADS[workload]
     engine = Engine(device="cpu", page_size=4, speculative={"method": method, "num_speculative_tokens": k},
-                    **w["options"])
-    done = run_staggered(engine, PROMPTS, GREEDY, w["arrivals"])
+                    **WORKLOADS[workload]["options"])
+    check_greedy_run(engine, PROMPTS, GREEDY, reference, workload)
+
+
+def check_greedy_run(engine: Engine, prompts: list, params: SamplingParams, reference: dict, workload: str) -> dict:
+    """Runs the workload on ``engine``: every output is its reference's prefix, drafts were made,
+    no page leaked. Returns the engine's stats."""
+    done = run_staggered(engine, prompts, params, WORKLOADS[workload]["arrivals"])
     for rid, out in done.items():
-        assert out.token_ids == reference[rid][:GREEDY.max_tokens], (rid, method, k, workload)
+        assert out.token_ids == reference[rid][:params.max_tokens], (rid, workload)
     stats = engine.stats()
     if workload == "mixed":
         assert stats["steps"]["MIXED"] > 0, stats["steps"]
     assert stats["spec_draft_tokens"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    return stats
 
 
 def test_mtp_drafts_are_mostly_accepted_on_the_trained_model(reference):
@@ -102,9 +109,41 @@ def chi2_critical(df: int, z: float = 3.72) -> float:
     return df * (1 - h + z * math.sqrt(h)) ** 3
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_a_request_can_opt_out_of_speculation(reference, method):
+    """In one batch: rows that speculate and rows that opted out. The opted-out rows' greedy tokens are
+    the plain ones and they count no drafts; their seeded samples equal a plain engine's draw for draw."""
+    engine = Engine(device="cpu", page_size=4, speculative={"method": method, "num_speculative_tokens": 3})
+    opted_out = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=False)
+    params = [GREEDY, opted_out, GREEDY, opted_out]
+    outputs = engine.generate(PROMPTS, params)
+    for i, (out, p) in enumerate(zip(outputs, params)):
+        assert out.token_ids == reference[f"r{i}"][:20], i
+        if p.speculative is False:
+            assert out.num_draft_tokens == out.num_accepted_tokens == 0
+    assert sum(o.num_accepted_tokens for o in outputs) > 0  # the others did speculate and accept
+    stats = engine.stats()
+    assert stats["spec_draft_tokens"] == sum(o.num_draft_tokens for o in outputs)
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, ignore_eos=True, speculative=False)
+               for s in range(4)]
+    plain = Engine(device="cpu", page_size=4).generate(PROMPTS, sampled)
+    assert [o.token_ids for o in engine.generate(PROMPTS, sampled)] == [o.token_ids for o in plain]
+
+
+def test_speculation_asked_of_an_engine_without_it_is_refused():
+    with pytest.raises(ValueError, match="speculative=True, but this engine runs without speculative decoding"):
+        Engine(device="cpu", page_size=4).add_request("a", [1, 2], SamplingParams(speculative=True))
+
+
 @pytest.fixture(scope="module")
 def small_vocab_mtp(tmp_path_factory):
     return write_mtp_checkpoint(tmp_path_factory.mktemp("mtp16"), vocab=16)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_eagle3(tmp_path_factory):
+    """An EAGLE-3 drafter for small_vocab_mtp drafting over 10 of its 16 tokens."""
+    return write_eagle3_checkpoint(tmp_path_factory.mktemp("eagle3_16"), vocab=16, draft_vocab=10)
 
 
 def token_samples(path, speculative, n: int, temperature: float = 1.0) -> list[tuple[int, ...]]:
@@ -113,17 +152,25 @@ def token_samples(path, speculative, n: int, temperature: float = 1.0) -> list[t
     return [tuple(o.token_ids) for o in engine.generate([[3, 5, 7]] * n, params)]
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_stochastic_acceptance_preserves_the_target_distribution(small_vocab_mtp, method):
-    n = 1500
-    plain = token_samples(small_vocab_mtp, None, n)
-    spec = token_samples(small_vocab_mtp, {"method": method, "num_speculative_tokens": 2}, n)
+SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def plain_samples(small_vocab_mtp):
+    return token_samples(small_vocab_mtp, None, SAMPLES)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram"])
+def test_stochastic_acceptance_preserves_the_target_distribution(small_vocab_mtp, small_vocab_eagle3, plain_samples,
+                                                                 method):
+    draft = {"draft_model": str(small_vocab_eagle3)} if method == "eagle3" else {}
+    spec = token_samples(small_vocab_mtp, {"method": method, "num_speculative_tokens": 2, **draft}, SAMPLES)
     for position in (1, 2):  # tokens that come out of verify steps
-        stat, df = chi2_two_sample(Counter(t[position] for t in plain), Counter(t[position] for t in spec))
+        stat, df = chi2_two_sample(Counter(t[position] for t in plain_samples), Counter(t[position] for t in spec))
         assert stat < chi2_critical(df), (method, position, stat, df)
     # The same test separates two distributions that do differ (so it can fail).
-    cooler = token_samples(small_vocab_mtp, None, n, temperature=0.6)
-    stat, df = chi2_two_sample(Counter(t[1] for t in plain), Counter(t[1] for t in cooler))
+    cooler = token_samples(small_vocab_mtp, None, SAMPLES, temperature=0.6)
+    stat, df = chi2_two_sample(Counter(t[1] for t in plain_samples), Counter(t[1] for t in cooler))
     assert stat > chi2_critical(df)
 
 
@@ -168,12 +215,145 @@ def test_no_page_leak_or_double_use_with_speculation(spec_engine, ops):
     assert not engine.speculator.draft_probs
 
 
-def test_speculative_config_errors_name_the_problem(v3_dir):
+def test_speculative_config_errors_name_the_problem(v3_dir, small_vocab_eagle3):
     with pytest.raises(ValueError, match="needs the checkpoint's nextn layer"):
         Engine(str(v3_dir), device="cpu", speculative={"method": "mtp", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="'eagle3' is not implemented yet"):
-        Engine(str(v3_dir), device="cpu", speculative={"method": "eagle3", "num_speculative_tokens": 2})
+    for draft, error in [(None, "'eagle3' needs draft_model"),
+                         (str(v3_dir / "missing"), r"draft_model '.*missing' is not a directory"),
+                         (str(v3_dir), r"\['DeepseekV3ForCausalLM'\] is not an EAGLE-3 drafter"),
+                         (str(small_vocab_eagle3), r"is for a target of hidden size 64 and vocab 16; "
+                                                   r"this model has 64 and 320")]:
+        with pytest.raises(ValueError, match=error):
+            Engine(str(v3_dir), device="cpu", speculative=eagle3(draft, 2))
+    with pytest.raises(ValueError, match="draft_model is only for 'eagle3', got it with 'mtp'"):
+        Engine(str(v3_dir), device="cpu", speculative={"method": "mtp", "num_speculative_tokens": 2,
+                                                       "draft_model": str(small_vocab_eagle3)})
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 8\]"):
         Engine(str(v3_dir), device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown speculative options"):
         Engine(str(v3_dir), device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 1, "k": 2})
+
+
+# ---- EAGLE-3 -------------------------------------------------------------------------------------
+
+E3_GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+E3_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(40, 53)), [7, 7, 7, 7]]
+
+
+def eagle3(draft_model, k: int) -> dict:
+    return {"method": "eagle3", "num_speculative_tokens": k, "draft_model": draft_model}
+
+
+@pytest.fixture(scope="module")
+def eagle3_targets(checkpoint, tmp_path_factory):
+    """eagle3_targets(kind) -> (target dir, random drafter dir, plain greedy tokens by request id,
+    with k extra tokens past E3_GREEDY.max_tokens for the acceptance model below)."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            target = checkpoint(kind)
+            drafter = write_eagle3_checkpoint(tmp_path_factory.mktemp(f"eagle3_{kind}"))
+            longer = SamplingParams(max_tokens=E3_GREEDY.max_tokens + 4, temperature=0.0, ignore_eos=True)
+            outs = Engine(str(target), device="cpu", page_size=4).generate(E3_PROMPTS, longer)
+            made[kind] = (target, drafter, {f"r{i}": o.token_ids for i, o in enumerate(outs)})
+        return made[kind]
+
+    return get
+
+
+def check_counts(stats: dict, k: int) -> None:
+    assert 0 <= stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    verify_rows = stats["spec_draft_tokens"] / k
+    assert stats["spec_mean_accepted_length"] == pytest.approx(1 + stats["spec_accepted_tokens"] / verify_rows)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["v3", "v2_lite"])
+@pytest.mark.parametrize("workload", ["decode", "mixed"])
+def test_eagle3_greedy_speculation_is_token_identical(eagle3_targets, kind, k, workload):
+    target, drafter, reference = eagle3_targets(kind)
+    engine = Engine(str(target), device="cpu", page_size=4, speculative=eagle3(str(drafter), k),
+                    **WORKLOADS[workload]["options"])
+    stats = check_greedy_run(engine, E3_PROMPTS, E3_GREEDY, reference, workload)
+    assert stats["drafter_eager_steps"] > 0
+    check_counts(stats, k)
+
+
+def expected_accepted(tokens: list[int], draft: int, k: int, max_tokens: int) -> int:
+    """Drafts accepted for one request whose drafter always proposes ``draft``: each verify step,
+    after the token sampled at prefill, accepts the run of ``draft`` that starts at its next token."""
+    accepted, j = 0, 1
+    while j < max_tokens:
+        a = 0
+        while a < k and tokens[j + a] == draft:
+            a += 1
+        accepted += a
+        j += a + 1
+    return accepted
+
+
+def test_eagle3_acceptance_is_exact_with_a_drafter_that_agrees_sometimes(eagle3_targets, tmp_path):
+    """A drafter with a one-token draft vocab proposes that token, whatever its weights: drafting
+    the target's most frequent output token, it must accept exactly the runs of it in the output."""
+    k = 3
+    target, _, reference = eagle3_targets("v3")
+    frequent = Counter(t for out in reference.values() for t in out[1:E3_GREEDY.max_tokens]).most_common(1)[0][0]
+    drafter = write_eagle3_checkpoint(tmp_path, target_ids=[frequent])
+    engine = Engine(str(target), device="cpu", page_size=4, speculative=eagle3(str(drafter), k))
+    done = run_staggered(engine, E3_PROMPTS, E3_GREEDY, [0] * len(E3_PROMPTS))
+    for rid, out in done.items():
+        assert out.token_ids == reference[rid][:E3_GREEDY.max_tokens]
+    want = sum(expected_accepted(out, frequent, k, E3_GREEDY.max_tokens) for out in reference.values())
+    stats = engine.stats()
+    assert want > 0 and stats["spec_accepted_tokens"] == want, (frequent, reference)
+    assert sum(o.num_accepted_tokens for o in done.values()) == want
+    check_counts(stats, k)
+
+
+def test_eagle3_stochastic_run_is_reproducible_and_accepts(small_vocab_mtp, small_vocab_eagle3):
+    def run() -> tuple[list[list[int]], dict]:
+        engine = Engine(str(small_vocab_mtp), device="cpu", page_size=4, speculative=eagle3(str(small_vocab_eagle3), 3))
+        params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in range(4)]
+        outs = engine.generate([[3, 5, 7], [2], [9, 9, 4, 1], [6, 6]], params)
+        assert not engine.speculator.draft_probs
+        return [o.token_ids for o in outs], engine.stats()
+
+    first, stats = run()
+    assert run()[0] == first
+    assert stats["spec_accepted_tokens"] > 0, stats
+    check_counts(stats, 3)
+
+
+def test_eagle3_with_a_compiled_target_is_token_identical(eagle3_targets):
+    """The auxiliary states come out of the compiled graphs (one output per key) as out of eager
+    steps; verify steps only (graph_q_lens = 1 + k), so three keys compile."""
+    from graph_helpers import SMALL_KEYS, STAGGERED
+
+    target, drafter, reference = eagle3_targets("v3")
+    engine = Engine(str(target), device="cpu", compile=True, speculative=eagle3(str(drafter), 2),
+                    **STAGGERED, **{**SMALL_KEYS, "graph_q_lens": (3,)})
+    done = run_staggered(engine, E3_PROMPTS, E3_GREEDY, [0, 1, 3, 4])
+    assert {r: o.token_ids for r, o in done.items()} == {r: t[:E3_GREEDY.max_tokens] for r, t in reference.items()}
+    stats = engine.stats()
+    assert stats["compiled_steps"] > 0 and stats["eager_steps"] > 0 and stats["recompiles"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_eagle3_cuda_graphs_greedy_matches_plain(v3_dir, tmp_path, compiled):
+    """The auxiliary states come out of captured CUDA graphs (one output buffer per key) and the
+    drafter's paged attention runs on CUDA; float32, so greedy tokens are exact."""
+    drafter = write_eagle3_checkpoint(tmp_path)
+    options = dict(dtype="float32", page_size=4, max_model_len=256)
+    want = [o.token_ids for o in Engine(str(v3_dir), device="cuda", compile=False, cuda_graphs=False,
+                                        **options).generate(E3_PROMPTS, E3_GREEDY)]
+    small_keys = dict(graph_decode_sizes=(1, 2, 4), graph_q_lens=(4,), graph_mixed_decode_sizes=(4,),
+                      graph_prefill_tokens=(64,), graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+    spec = Engine(str(v3_dir), device="cuda", compile=compiled, cuda_graphs=True, speculative=eagle3(str(drafter), 3),
+                  **options, **small_keys)
+    assert [o.token_ids for o in spec.generate(E3_PROMPTS, E3_GREEDY)] == want
+    stats = spec.stats()
+    assert stats["graph_replays"] > 0 and stats["drafter_eager_steps"] > 0, stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -13,7 +13,7 @@ from encore.engine.config import EngineConfig
 from encore.graphs.cache import GraphCache
 from encore.graphs.keys import GraphKey
 from encore.graphs.runner import KeyReport
-from encore.graphs.warmup import add_graphs_subcommands, list_manifest
+from encore.graphs.warmup import Progress, add_graphs_subcommands, list_manifest
 from encore.models.config import ModelConfig
 
 
@@ -22,6 +22,9 @@ def test_warmup_compiles_every_key_with_progress_and_writes_the_manifest(v3_warm
     assert [(k["mode"], k["bs"], k["num_tokens"]) for k in manifest["keys"]] == [
         ("MIXED", 5, 12), ("EXTEND", 2, 8), ("DECODE", 4, 4)]  # largest first
     assert all(k["compile_s"] > 0 and k["capture_s"] == 0 for k in manifest["keys"])  # CPU: nothing captured
+    assert all(k["graphs_compiled"] == 1 for k in manifest["keys"])  # one key per family here
+    assert {mode: (f["keys"], f["graphs_compiled"]) for mode, f in manifest["families"].items()} == {
+        "MIXED": (1, 1), "EXTEND": (1, 1), "DECODE": (1, 1)}
     assert manifest["identity"]["versions"]["torch"]
     for n in (1, 2, 3):
         assert f"key {n}/3" in progress
@@ -36,7 +39,9 @@ def test_list_prints_each_key(v3_warm_cache):
     assert list_manifest(cache_dir, out=out) == [manifest]
     text = out.getvalue()
     assert "DeepseekV3ForCausalLM" in text and "3 keys" in text
-    assert sum(line.strip().startswith(("MIXED", "EXTEND", "DECODE")) for line in text.splitlines()) == 3
+    lines = [line.strip() for line in text.splitlines()]
+    assert sum(line.startswith(("MIXED ", "EXTEND ", "DECODE ")) for line in lines) == 3
+    assert sum(line.startswith("family ") and ": 1 keys, 1 graph(s) compiled" in line for line in lines) == 3
 
 
 @pytest.fixture
@@ -51,7 +56,18 @@ def small_cache(v3_dir, tmp_path):
 
 
 def test_sound_cache_is_used(small_cache):
-    assert small_cache.read_manifest()["keys"][0]["bs"] == 4
+    manifest = small_cache.read_manifest()
+    assert manifest["keys"][0]["bs"] == 4
+    assert manifest["families"] == {"DECODE": {"keys": 1, "graphs_compiled": 0, "compile_s": 0.0, "run_s": 1.5}}
+
+
+def test_family_summary_splits_compile_from_runs(small_cache):
+    reports = [KeyReport(GraphKey(0, 1, 8, 8), 9.0, 0.5, 0, graphs_compiled=1),
+               KeyReport(GraphKey(0, 1, 4, 4), 0.25, 0.5, 0), KeyReport(GraphKey(0, 1, 2, 2), 0.25, 0.5, 0),
+               KeyReport(GraphKey(1, 1, 1, 8), 4.0, 0.5, 0, graphs_compiled=1)]
+    families = small_cache.write_manifest(reports)["families"]
+    assert families == {"DECODE": {"keys": 3, "graphs_compiled": 1, "compile_s": 9.0, "run_s": 0.5},
+                         "EXTEND": {"keys": 1, "graphs_compiled": 1, "compile_s": 4.0, "run_s": 0.0}}
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -82,3 +98,14 @@ def test_cli_subcommands_parse_and_list(v3_warm_cache, capsys):
     assert "3 keys" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parser.parse_args(["graphs", "warmup", "--model", "m", "--graph-decode-sizes", "1,x"])
+
+
+def test_progress_eta_charges_a_compile_to_each_family_not_yet_compiled():
+    keys = (GraphKey(0, 1, 8, 8), GraphKey(0, 1, 4, 4), GraphKey(0, 1, 2, 2), GraphKey(1, 1, 1, 8))
+    out = io.StringIO()
+    progress = Progress(keys, out)
+    progress(0, KeyReport(keys[0], 10.0, 0.0, 0, graphs_compiled=1))
+    progress(1, KeyReport(keys[1], 1.0, 0.0, 0))
+    first, second = out.getvalue().splitlines()
+    assert "key 1/4" in first and "compile 10.0s" in first and first.endswith("ETA 0m30s")  # EXTEND: 10s, D2: 10s
+    assert "key 2/4" in second and "run 1.0s" in second and second.endswith("ETA 0m11s")  # EXTEND: 10s, D2: 1s

@@ -1,5 +1,6 @@
 """Compiled steps (Inductor on the CPU, passes on) give the eager engine's greedy tokens through
-EXTEND, MIXED and DECODE steps, padded to their keys; steps that fit no key run eager."""
+EXTEND, MIXED and DECODE steps, padded to their keys; steps that fit no key run eager; each family
+(mode) compiles one graph that all its keys run on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from torch._dynamo.utils import counters
 from encore.backends.metadata import ForwardMode
 from encore.engine import Engine
 from graph_helpers import SMALL_KEYS, STAGGERED, staggered
+
+# Several keys per family: 3 DECODE sizes (bs 1 among them), 8 MIXED keys of 1-2 prefill rows, 2-4 decode
+# rows and 4-8 prefill tokens, 4 EXTEND keys of 1-2 rows.
+FAMILY_KEYS = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_extends=(1, 2), graph_mixed_decode_sizes=(2, 4),
+                   graph_prefill_tokens=(4, 8), graph_extend_sizes=(1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +54,21 @@ def test_v3_warm_start_reuses_the_warmup_cache_and_matches_eager(v3_dir, v3_warm
     assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 3  # every key's graph came from the cache
     assert json.loads(engine.runner.graph_cache.manifest_path.read_text()) == manifest  # the warm-up's record
     check_compiled_run(engine, eager_tokens["v3"])
+
+
+def test_each_family_compiles_once_for_all_its_keys_and_matches_eager(v3_dir, eager_tokens, tmp_path):
+    engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path), **STAGGERED, **FAMILY_KEYS)
+    graphs = engine.runner.graphs
+    assert len(graphs.keys) == 15
+    assert staggered(engine) == eager_tokens["v3"]
+    compiled = graphs.compiled
+    assert compiled.compiled_graphs == 3 and compiled.recompiles == 0 and compiled.compiled_keys == 15
+    used = [k for k, n in graphs.steps_per_key.items() if n]  # every key ran once while preparing; these served steps
+    assert ForwardMode.EXTEND in {k.mode for k in used}
+    for mode in (ForwardMode.MIXED, ForwardMode.DECODE):  # one graph, several shapes each
+        assert len({(k.bs, k.num_tokens) for k in used if k.mode is mode}) >= 2, (mode, used)
+    assert {k.num_extends for k in used if k.mode is ForwardMode.MIXED} == {1, 2}
+    assert 1 in {k.bs for k in used if k.mode is ForwardMode.DECODE}
 
 
 def test_compile_off_runs_every_step_eager(v3_dir):

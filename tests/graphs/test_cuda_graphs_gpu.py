@@ -54,6 +54,8 @@ def test_decode_sweep_pads_every_batch_size_to_the_next_key(compile, v3_dir, tmp
     used = engine.runner.graphs.steps_per_key
     assert {k.bs for k, n in used.items() if n} == {1, 2, 4, 8}
     assert engine.stats()["graph_replays"] == engine.stats()["steps"]["DECODE"]
+    if compile:  # one dynamic-shape DECODE graph, captured at bs 8, 4, 2 and 1
+        assert engine.runner.graphs.compiled.compiled_graphs == 1 and engine.stats()["recompiles"] == 0
 
 
 def test_bf16_replay_is_close_to_eager(v3_dir, tmp_path):

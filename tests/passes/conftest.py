@@ -26,15 +26,16 @@ def history(checkpoint):
 
 @pytest.fixture(scope="session")
 def pipeline(history):
-    """pipeline(kind, mode) -> (PipelineRun, layers): the production pass pipeline run once on a
-    padded step of that mode (key PADDED_KEYS[mode]), every stage kept and executed."""
+    """pipeline(kind, mode) -> (PipelineRun, layers): the production pass pipeline run once on the
+    family graph of that mode, traced and executed on a padded step (key PADDED_KEYS[mode]), every
+    stage kept."""
     made = {}
 
     def get(kind: str, mode: str):
         if (kind, mode) not in made:
             engine, batches = history(kind, colocated=True)
             key = PADDED_KEYS[mode]
-            made[kind, mode] = run_pipeline(engine, batches[mode], key, passes_for(key)), \
+            made[kind, mode] = run_pipeline(engine, batches[mode], key, passes_for(key.mode)), \
                 engine.model_config.num_hidden_layers
         return made[kind, mode]
 

@@ -1,12 +1,15 @@
-"""MLA dispatch split: per key, the prefill branch, the decode branch, or both."""
+"""MLA dispatch split: per family, the prefill branch, the decode branch, or both, split at the
+step's symbolic prefill-token count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from encore.graphs.keys import GraphKey
+from encore.backends.metadata import ForwardMode
+from encore.graphs.compiler import NUM_EXTEND_TOKENS
 from encore.passes.mla_dispatch_split import MlaDispatchSplit
+from encore.passes.fx_utils import step_size
 from graph_helpers import PADDED_KEYS, rel_err, run_pipeline
 
 ATTN, PREFILL, DECODE = "encore.mla_attention.default", "encore.mla_prefill.default", "encore.mla_decode.default"
@@ -18,7 +21,7 @@ EXPECTED = {"EXTEND": (1, 0, 0), "DECODE": (0, 1, 0), "MIXED": (1, 1, 1)}
 
 @pytest.mark.parametrize("kind, mode", [("v2_lite", "EXTEND"), ("v2_lite", "DECODE"), ("v2_lite", "MIXED"),
                                         ("v3", "EXTEND"), ("v3", "DECODE"), ("v3", "MIXED")])
-def test_each_key_gets_only_its_branches(kind, mode, pipeline):
+def test_each_family_gets_only_its_branches(kind, mode, pipeline):
     run, layers = pipeline(kind, mode)
     stage = run.stages["MlaDispatchSplit"]
     assert stage.matches == layers
@@ -31,23 +34,29 @@ def test_each_key_gets_only_its_branches(kind, mode, pipeline):
     assert rel_err(stage.hidden, run.eager) < 1e-5
 
 
-def test_mixed_prefill_branch_covers_exactly_the_key_prefill_tokens(pipeline):
-    run, _ = pipeline("v2_lite", "MIXED")
-    key = PADDED_KEYS["MIXED"]
-    sizes = {str(n.target): n.args[0].meta["val"].shape[0] for n in run.stages["MlaDispatchSplit"].after.nodes
-             if str(n.target) in (PREFILL, DECODE)}
-    assert sizes == {PREFILL: key.num_extend_tokens, DECODE: key.num_decodes * key.q_len_per_req}
+def test_mixed_branches_split_at_the_symbolic_prefill_token_count(pipeline):
+    run, layers = pipeline("v2_lite", "MIXED")
+    graph, key = run.stages["MlaDispatchSplit"].after, PADDED_KEYS["MIXED"]
+    n = step_size(graph, NUM_EXTEND_TOKENS).meta["val"]  # the graph input; the key's 8 is only its hint
+    branches = [node for node in graph.nodes if str(node.target) in (PREFILL, DECODE)]
+    assert len(branches) == 2 * layers
+    for node in branches:
+        tokens = node.args[0].meta["val"].shape[0]
+        total = node.args[0].args[0].meta["val"].shape[0]  # q_nope before the slice: the step's T tokens
+        assert isinstance(tokens, torch.SymInt) and isinstance(total, torch.SymInt)
+        want = n if str(node.target) == PREFILL else total - n
+        assert tokens.node.expr == want.node.expr
+    assert (n.node.hint, total.node.hint) == (key.num_extend_tokens, key.num_tokens)
 
 
-def test_graph_of_another_key_is_refused(history):
+def test_mixed_graph_without_a_prefill_token_input_is_refused(history):
     engine, batches = history("v3")
-    wrong = GraphKey(0, 1, 8, 8)  # the graph below is traced for 4 tokens
-    with pytest.raises(Exception, match="mla_attention over 4 tokens in a graph for key"):
-        run_pipeline(engine, batches["DECODE"], PADDED_KEYS["DECODE"], [MlaDispatchSplit(wrong)])
+    with pytest.raises(Exception, match="MIXED graph must take its token count and prefill-token count"):
+        run_pipeline(engine, batches["DECODE"], PADDED_KEYS["DECODE"], [MlaDispatchSplit(ForwardMode.MIXED)])
 
 
 def test_does_not_fire_without_attention():
-    split = MlaDispatchSplit(GraphKey(0, 1, 2, 2))
+    split = MlaDispatchSplit(ForwardMode.DECODE)
     graph = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1).graph
     split(graph)
     assert split.matches == 0

@@ -176,11 +176,11 @@ def test_regex_constrained_greedy_stream_matches_the_regex_and_stops(client):
     wait_idle(client)
 
 
-def test_per_request_speculation_is_refused_not_ignored(client):
+def test_speculation_asked_of_a_server_without_it_is_refused_not_ignored(client):
     request = pb.GenerateRequest(text="x", speculative=True)
     with pytest.raises(grpc.RpcError) as err:
         list(client.stub.Generate(request, metadata=client.metadata))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "--speculative-method" in err.value.details()
     request = pb.GenerateRequest(text="x", speculative=False)
     request.stopping.max_tokens = 2

@@ -132,9 +132,21 @@ def test_json_object_is_passed_on_and_an_empty_response_format_constrains_nothin
     assert parsed.prompt_token_ids and parsed.params.grammar is None
 
 
-def test_speculative_per_request_is_unimplemented_and_names_the_server_flag(parser):
+def test_speculative_true_without_server_speculation_is_invalid_and_names_the_server_flag(parser):
     err = error(parser, pb.GenerateRequest(text="x", speculative=True))
-    assert err.code == grpc.StatusCode.UNIMPLEMENTED and "--speculative-method" in err.message
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "--speculative-method" in err.message
+    assert err.message.startswith("speculative")
+    assert parse(parser, pb.GenerateRequest(text="x", speculative=False)).params.speculative is False
+
+
+def test_speculative_flag_is_passed_on_when_the_server_speculates(v3_dir):
+    parser = RequestParser(load_tokenizer(v3_dir), VOCAB, MAX_LEN, speculative=True)
+    try:
+        assert parse(parser, pb.GenerateRequest(text="x", speculative=True)).params.speculative is True
+        assert parse(parser, pb.GenerateRequest(text="x", speculative=False)).params.speculative is False
+        assert parse(parser, pb.GenerateRequest(text="x")).params.speculative is None
+    finally:
+        parser.close()
 
 
 def test_structured_output_without_a_tokenizer_is_invalid():

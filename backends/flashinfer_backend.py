@@ -1,0 +1,241 @@
+"""The FlashInfer attention backend: flashinfer's MLA kernels (fa3 on Hopper) behind the backend interface.
+
+Decode rows (any uniform q_len_per_req, causal inside the row: spec-verify is decode) run through
+``BatchMLAPagedAttentionWrapper`` over the 576-wide paged latent cache: q_nope·W_kc gives the latent
+query, the kernel returns a latent output, ·W_vc gives ``out``.
+
+Prefill rows take one of two paths, chosen by whether the step's shapes are static:
+
+- an eager step (shapes known only now) runs MHA over the decompressed KV of each row, length-bounded:
+  the row's ``seq_len`` latents (cached prefix + this chunk) are gathered from its pages, decompressed
+  through W_kc / W_vc into qk-192 / vo-128 heads, and ``BatchPrefillWithRaggedKVCacheWrapper`` attends
+  causally (bottom-right aligned). MHA is the cheaper formulation for long new prompts (192-wide
+  scores instead of 576, no per-token absorption).
+- a static step (a graph key's buffers, possibly captured) runs the prefill rows through the absorbed
+  paged MLA kernel as causal CSR rows. Its shapes depend only on the key, it reads each row's pages up
+  to its length and never decompresses the prefix; graph keys hold small prefill buckets
+  (graphs/keys.py), where the absorbed formulation's extra FLOPs are cheap.
+
+Planning needs the rows' lengths on the host (``seq_lens_cpu``); flashinfer partitions the work by
+them. A step built on the device (speculative draft steps 2..k advance lengths on the GPU) has none:
+it runs on the Triton backend's kernels instead, counted in ``device_planned_steps``.
+
+CUDA graphs: each static shape gets its own wrappers (``use_cuda_graph=True``, reserved metadata
+buffers), re-planned before every replay; flashinfer's fa2/fa3 MLA plans keep their workspace layout
+across re-plans of one shape, so a captured graph stays valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from encore.backends.base import AttentionBackend, MLADims
+from encore.backends.metadata import ForwardBatch, ForwardMode
+from encore.backends.triton_backend import TritonAttentionBackend
+
+_WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one, shared by every wrapper
+_MLA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unsupported_reason(dims: MLADims, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why flashinfer's MLA kernels cannot run this model here, or None when they can."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {str(device)!r}"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"needs Hopper (sm90) or newer, got sm{major}x"
+    if dtype not in _MLA_DTYPES:
+        return f"runs float16/bfloat16 only, got dtype {dtype}"
+    if dims.kv_lora_rank not in (128, 256, 512) or dims.qk_rope_head_dim % 64:
+        return (f"needs kv_lora_rank in (128, 256, 512) and qk_rope_head_dim a multiple of 64, got "
+                f"{dims.kv_lora_rank} and {dims.qk_rope_head_dim}")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as exc:
+        return f"flashinfer is not importable ({exc})"
+    return None
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Host CSR metadata of a set of rows over the paged cache."""
+
+    qo_indptr: torch.Tensor  # [R + 1] int32, CPU
+    kv_indptr: torch.Tensor  # [R + 1] int32, CPU: ceil(kv_len / page_size) pages each
+    kv_len: torch.Tensor  # [R] int32, CPU
+    flat_pages: torch.Tensor  # [kv_indptr[-1]] int64, CPU: indices into the rows' page table, flattened
+
+
+def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, width: int) -> _Rows:
+    kv_len = torch.tensor(kv_lens, dtype=torch.int32)
+    pages = (kv_len + page_size - 1) // page_size  # [R]
+    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    qo_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+    row = torch.repeat_interleave(torch.arange(len(kv_lens)), pages.long())  # [total pages]
+    col = torch.arange(row.numel()) - torch.repeat_interleave(kv_indptr[:-1].long(), pages.long())
+    return _Rows(qo_indptr, kv_indptr, kv_len, row * width + col)
+
+
+class _MLAPlan:
+    """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans own reserved
+    metadata buffers sized for ``rows`` rows of ``width`` pages (graph-capturable)."""
+
+    def __init__(self, workspace: torch.Tensor, rows: int | None, width: int | None) -> None:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        if rows is None:
+            self.wrapper = BatchMLAPagedAttentionWrapper(workspace)
+        else:
+            device = workspace.device
+            self.wrapper = BatchMLAPagedAttentionWrapper(
+                workspace, use_cuda_graph=True,
+                qo_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                kv_indices=torch.zeros(max(rows * width, 1), dtype=torch.int32, device=device),
+                kv_len_arr=torch.zeros(rows, dtype=torch.int32, device=device))
+
+    def plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
+             dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        from flashinfer.mla import MLAPlanMetadata
+
+        kv_indices = page_table.flatten()[rows.flat_pages.to(page_table.device, non_blocking=True)]  # [pages]
+        metadata = MLAPlanMetadata.csr(qo_indptr=rows.qo_indptr, kv_indptr=rows.kv_indptr,
+                                       kv_indices=kv_indices, kv_len_arr=rows.kv_len)
+        self.wrapper.plan(metadata=metadata, num_heads=dims.num_heads, head_dim_ckv=dims.kv_lora_rank,
+                          head_dim_kpe=dims.qk_rope_head_dim, page_size=page_size, causal=causal,
+                          sm_scale=dims.softmax_scale, q_data_type=dtype, kv_data_type=kv_dtype,
+                          query_layout="split", kv_cache_layout="packed")
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+            cache: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> [T, H, dv]."""
+        dtype = q_nope.dtype
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_kc.to(dtype)).contiguous()  # [T, H, R]
+        o_lat = self.wrapper.run(query=(q_lat, q_pe.contiguous()), kv_cache=cache)  # [T, H, R]
+        return torch.einsum("thr,hvr->thv", o_lat, w_vc.to(dtype))  # [T, H, dv]
+
+
+@dataclass(slots=True)
+class _RaggedPrefill:
+    """The eager prefill plan: latent slots to gather per row and the planned ragged wrapper."""
+
+    slots: torch.Tensor  # [S] int64 on the device: cache slots of each row's positions 0 .. seq_len - 1
+    num_tokens: int  # real prefill tokens (qo_indptr[num_extends])
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_spec_as_decode = True
+    supports_nonuniform_decode = False  # the scheduler's decode rows are uniform; graphs need it
+    graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
+
+    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
+        super().__init__(kv_caches, dims)
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+        device = kv_caches[0].device
+        reason = unsupported_reason(dims, kv_caches[0].dtype, device)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'flashinfer' {reason}")
+        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self._eager_prefill_mla = _MLAPlan(self.workspace, None, None)
+        self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
+        self._static: dict[tuple, _MLAPlan] = {}
+        self._device_planned = TritonAttentionBackend(kv_caches, dims)
+        self.device_planned_steps = 0
+        self._prefill: _MLAPlan | _RaggedPrefill | None = None
+        self._decode: _MLAPlan | None = None
+        self._on_device = False
+
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
+        self._on_device = not batch.seq_lens_cpu
+        if self._on_device:
+            self.device_planned_steps += 1
+            self._device_planned.plan(batch, static)
+            return
+        E, page_size = batch.num_extends, batch.page_size
+        width = batch.page_table.shape[1]
+        seq, prefix = batch.seq_lens_cpu, batch.prefix_lens_cpu
+        dtype, kv_dtype = self.kv_caches[0].dtype, self.kv_caches[0].dtype
+        self._prefill = None
+        if E:
+            q_lens = [s - p for s, p in zip(seq[:E], prefix[:E])]
+            if static:
+                self._prefill = self._static_plan(("prefill", batch.num_tokens, batch.bs, E), E, width)
+                self._prefill.plan(_rows(q_lens, seq[:E], page_size, width), batch.page_table[:E], self.dims,
+                                   page_size, True, dtype, kv_dtype)
+            else:
+                self._prefill = self._plan_ragged(batch, q_lens)
+        self._decode = None
+        if batch.num_decodes:
+            rows, q = batch.num_decodes, batch.q_len_per_req
+            plan = (self._static_plan(("decode", batch.num_tokens, batch.bs, E), rows, width) if static
+                    else self._eager_decode_mla)
+            plan.plan(_rows([q] * rows, seq[E:], page_size, width), batch.page_table[E:], self.dims, page_size,
+                      q > 1, dtype, kv_dtype)
+            self._decode = plan
+
+    def _static_plan(self, key: tuple, rows: int, width: int) -> _MLAPlan:
+        plan = self._static.get(key + (width,))
+        if plan is None:
+            plan = self._static[key + (width,)] = _MLAPlan(self.workspace, rows, width)
+        return plan
+
+    def _plan_ragged(self, batch: ForwardBatch, q_lens: list[int]) -> _RaggedPrefill:
+        E, page_size = batch.num_extends, batch.page_size
+        seq = batch.seq_lens_cpu[:E]
+        heads = self.dims.num_heads
+        kv_len = torch.tensor(seq, dtype=torch.int64)
+        row = torch.repeat_interleave(torch.arange(E), kv_len)  # [S]
+        starts = torch.zeros(E, dtype=torch.int64)
+        torch.cumsum(kv_len[:-1], 0, out=starts[1:])
+        pos = torch.arange(row.numel()) - torch.repeat_interleave(starts, kv_len)  # [S]
+        device = batch.page_table.device
+        row_d, pos_d = row.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+        slots = batch.page_table[row_d, pos_d // page_size].long() * page_size + pos_d % page_size  # [S]
+        qo_indptr = torch.zeros(E + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+        kv_indptr = torch.zeros(E + 1, dtype=torch.int32)
+        torch.cumsum(kv_len.int(), 0, out=kv_indptr[1:])
+        self._ragged.plan(qo_indptr, kv_indptr, num_qo_heads=heads, num_kv_heads=heads,
+                          head_dim_qk=self.dims.qk_nope_head_dim + self.dims.qk_rope_head_dim,
+                          head_dim_vo=self.dims.v_head_dim, causal=True, sm_scale=self.dims.softmax_scale,
+                          q_data_type=self.kv_caches[0].dtype)
+        return _RaggedPrefill(slots, int(qo_indptr[-1]))
+
+    def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        if self._on_device:
+            self._device_planned.prefill(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
+            return
+        plan = self._prefill
+        if isinstance(plan, _MLAPlan):
+            # Tokens past the last row's range are bucket padding the kernel leaves unwritten: keep
+            # them finite (base.AttentionBackend.prefill) with a select, static in shape.
+            o = plan.run(q_nope, q_pe, w_kc, w_vc, cache)  # [n, H, dv]
+            owned = torch.arange(o.shape[0], device=o.device) < batch.qo_indptr[batch.num_extends]  # [n]
+            out.copy_(torch.where(owned[:, None, None], o, 0))
+            return
+        rank = self.dims.kv_lora_rank
+        dtype = q_nope.dtype
+        kv = cache.view(-1, cache.shape[-1])[plan.slots].to(dtype)  # [S, R + dr]
+        k_nope = torch.einsum("sr,hdr->shd", kv[:, :rank], w_kc.to(dtype))  # [S, H, dn]
+        k_pe = kv[:, None, rank:].expand(-1, k_nope.shape[1], -1)  # [S, H, dr]
+        k = torch.cat([k_nope, k_pe], dim=-1)  # [S, H, dn + dr]
+        v = torch.einsum("sr,hvr->shv", kv[:, :rank], w_vc.to(dtype)).contiguous()  # [S, H, dv]
+        n = plan.num_tokens
+        q = torch.cat([q_nope[:n], q_pe[:n]], dim=-1)  # [n, H, dn + dr]
+        out[n:].zero_()
+        self._ragged.run(q, k, v, out=out[:n])
+
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        if self._on_device:
+            self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
+            return
+        out.copy_(self._decode.run(q_nope, q_pe, w_kc, w_vc, cache))

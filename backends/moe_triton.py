@@ -1,0 +1,267 @@
+"""Triton fused MoE: the CUDA kernel of ``encore::routed_experts`` (see ``moe.FUSED_MOE_MAX_PAIRS``).
+
+Built for decode, where a MoE layer is a batched GEMV over the few experts the tokens chose: the
+time is the chosen experts' weight bytes over the memory bandwidth, and every launch or pass over
+the weights beyond one shows. The T·k (token, expert) pairs are grouped by expert into blocks of
+BLOCK_M and each block runs through two GEMM kernels that read only its expert's weights:
+
+    align   (E programs)                pair p = t·k + j  ->  sorted_pairs[slot], block_expert[block]
+    gate_up (max_blocks, cdiv(I, BN))   inter[slot]  = SiLU(x[t]·w13[e, :I]ᵀ) · (x[t]·w13[e, I:]ᵀ)
+    down    (max_blocks, cdiv(H, BN))   per_pair[p]  = weights[p] · inter[slot]·w2[e]ᵀ
+    sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
+
+Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
+in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
+blocks number at most (T·k + m·(BM - 1)) // BM: both buffers have that static size and no host
+reads the counts, so the four launches can be captured in a CUDA graph. Blocks past the real count
+have block_expert -1 and their programs return at once (the grid is the bound, not the count).
+
+Determinism: every output element is written by exactly one program and the per-token sum over
+the k pairs runs in a fixed order, with no atomics, so the result does not depend on scheduling.
+Dots accumulate in float32 (float32 inputs in IEEE precision, so they can match a float32
+reference); the intermediate is stored in the input dtype, as the reference computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The alignment compares a chunk of pairs with every expert at once: chunks of up to 128 pairs and
+# this many elements (E = 64 on an H200: 1.6 µs at T = 1, 4.9 µs at T = 64).
+_ALIGN_TILE = 16384
+_ALIGN_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FusedMoEConfig:
+    """block_m: pairs per block (the alignment's padding unit); block_n: output columns per program
+    (the gate_up kernel computes block_n of gate and of up); block_k: the reduction tile. Powers of two
+    of at least 16, as ``tl.dot`` needs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        # The MLA kernels' config checks the same rules on tiles, warps and stages; block_k alone is new.
+        KernelConfig(self.block_m, self.block_n, self.num_warps, self.num_stages)
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 16")
+
+
+# (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
+# (E 64, top-6, H 2048, I 1408, bf16) on an H200 (each row within 3% of the best of a sweep of tile
+# sizes, warps and stages at its token counts; bench_moe.py --sweep retunes).
+# - T = 1: six blocks of one pair; the kernels only stream weights. BN 32 gives 6 · 1408/32 = 264
+#   gate_up and 384 down programs, two or three per SM, and five stages of 64-wide K tiles keep each
+#   SM's loads in flight.
+# - T <= 128 (decode): an expert gets few of the T·k pairs (~6 at T = 64), so BM 16, the smallest dot
+#   tile, wastes least. BN 64 · BK 128 in three stages (~108 KB of shared memory: two programs per SM).
+# - larger T (prefill, float32 tests): more pairs per expert, so larger BM reuses each weight tile for
+#   more tokens; BM 128 and 8 warps once the experts hold ~100 pairs each.
+_CONFIGS = (
+    (1, FusedMoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=5)),
+    (128, FusedMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)),
+    (256, FusedMoEConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+    (512, FusedMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (None, FusedMoEConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
+    """The table's config for ``tokens``; float32 halves block_k so a stage takes the same bytes."""
+    config = next(c for bound, c in _CONFIGS if bound is None or tokens <= bound)
+    if dtype == torch.float32:
+        return dataclasses.replace(config, block_k=max(16, config.block_k // 2))
+    return config
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the aligned blocks: each of the at most min(E, pairs) chosen experts pads its
+    pairs by fewer than block_m slots."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+@triton.jit
+def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per expert: each counts every expert's pairs (the counts place its slots) and then
+    # writes only its own slots and blocks, so the programs' stores are disjoint.
+    me = tl.program_id(0)
+    expert = tl.arange(0, BLOCK_E)  # [E]
+    chunk = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        ids = tl.load(IDS + p0 + chunk, mask=p0 + chunk < num_pairs, other=-1)  # [C]
+        counts += tl.sum((ids[:, None] == expert[None, :]).to(tl.int32), 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    start = tl.sum(tl.where(expert < me, padded, 0))  # experts in ascending order
+    count = tl.sum(tl.where(expert == me, counts, 0))
+    my_blocks = tl.cdiv(count, BLOCK_M)
+
+    # My pairs, in pair order: slot = start + how many earlier pairs chose me.
+    taken = 0
+    for p0 in range(0, num_pairs, CHUNK):
+        pair = p0 + chunk
+        mine = tl.load(IDS + pair, mask=pair < num_pairs, other=-1) == me  # [C]
+        rank = taken + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(SORTED + start + rank, pair.to(tl.int32), mask=mine)
+        taken += tl.sum(mine.to(tl.int32))
+    # The sentinel in the rest of my last block, and my expert in my blocks.
+    row = tl.arange(0, BLOCK_M)
+    tl.store(SORTED + start + count + row, tl.full([BLOCK_M], 0, tl.int32) + num_pairs,
+             mask=count + row < my_blocks * BLOCK_M)
+    for b0 in range(0, my_blocks, CHUNK):
+        tl.store(BLOCK_EXPERT + start // BLOCK_M + b0 + chunk, tl.full([CHUNK], 0, tl.int32) + me,
+                 mask=b0 + chunk < my_blocks)
+    # Blocks past the used ones, shared out among the programs: expert -1, every slot the sentinel.
+    used = tl.sum(padded) // BLOCK_M
+    for b0 in range(used + me * CHUNK, num_blocks, tl.num_programs(0) * CHUNK):
+        block = b0 + chunk
+        tl.store(BLOCK_EXPERT + block, tl.full([CHUNK], -1, tl.int32), mask=block < num_blocks)
+        tl.store(SORTED + block[:, None] * BLOCK_M + row[None, :], tl.full([CHUNK, BLOCK_M], 0, tl.int32) + num_pairs,
+                 mask=block[:, None] < num_blocks)
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, expert) pairs of ``ids`` [T, k] (int64, 0 <= id < E; checking would read the
+    device) into per-expert blocks of ``block_m`` -> (sorted_pairs [max_blocks · block_m] int32: pair
+    index t·k + j, or the sentinel T·k in padding; block_expert [max_blocks] int32: the block's expert,
+    -1 past the used blocks). Experts in ascending order, each one's pairs in pair order."""
+    _check(ids.dim() == 2 and ids.dtype == torch.int64 and ids.is_contiguous(),
+           f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [T, k] int64")
+    _check(block_m >= 1, f"block_m={block_m}: must be >= 1")
+    num_pairs = ids.numel()
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    if num_pairs == 0:
+        return sorted_pairs, block_expert
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(triton.next_power_of_2(num_pairs), 128, _ALIGN_TILE // block_e))
+    _align_kernel[(num_experts,)](ids, sorted_pairs, block_expert, num_pairs, blocks, BLOCK_M=block_m,
+                                  BLOCK_E=block_e, CHUNK=chunk, num_warps=_ALIGN_WARPS)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
+                    TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # Axis 0 (fastest in launch order) is the block: the blocks of one expert, which read the same
+    # weight tile, run together and all but the first find it in L2.
+    block = tl.program_id(0)
+    expert = tl.load(BLOCK_EXPERT + block)
+    if expert < 0:  # past the used blocks
+        return
+    slot = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    pair = tl.load(SORTED + slot)
+    token = (pair // TOP_K).to(tl.int64)
+    row_ok = pair < num_pairs  # padding holds the sentinel
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
+    n_ok = n < I
+    w = W13 + expert.to(tl.int64) * (2 * I * H)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        a = tl.load(X + token[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [M, K] gathered tokens
+        w_gate = tl.load(w + n[:, None] * H + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
+        w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [M, N] SiLU(gate)·up; padding rows are 0
+    tl.store(INTER + slot[:, None].to(tl.int64) * I + n[None, :], h.to(INTER.dtype.element_ty),
+             mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
+                 H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(BLOCK_EXPERT + block)
+    if expert < 0:
+        return
+    slot = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SORTED + slot)
+    row_ok = pair < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
+    n_ok = n < H
+    w = W2 + expert.to(tl.int64) * (H * I)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        a = tl.load(INTER + slot[:, None].to(tl.int64) * I + k[None, :], mask=k_ok[None, :], other=0.0)  # [M, K]
+        w_down = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
+        acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
+    route = tl.load(WEIGHTS + pair, mask=row_ok, other=0.0)  # [M] routing weight of each pair
+    tl.store(PER_PAIR + pair[:, None].to(tl.int64) * H + n[None, :], acc * route[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):  # a fixed order: the same sum on every run
+        acc += tl.load(PER_PAIR + (token * TOP_K + j) * H + h, mask=h < H, other=0.0)
+    tl.store(OUT + token * stride_ot + h, acc.to(OUT.dtype.element_ty), mask=h < H)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              config: FusedMoEConfig | None = None) -> torch.Tensor:
+    """Routed-expert SwiGLU. x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous, x's dtype), weights
+    [T, k] float32, ids [T, k] int64 (0 <= id < E; checking would read the device) -> [T, H] in x's
+    dtype. No host reads: capturable in a CUDA graph. ``config`` None: ``default_config(T, dtype)``."""
+    _check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
+           "last dim contiguous")
+    tokens, hidden = x.shape
+    _check(x.dtype in _DTYPES, f"x dtype {x.dtype} not in {_DTYPES}")
+    _check(w13.dtype == w2.dtype == x.dtype, f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    _check(w13.dim() == 3 and w13.shape[1] % 2 == 0 and w13.shape[2] == hidden and w13.is_contiguous(),
+           f"w13 {tuple(w13.shape)}: expected contiguous [E, 2I, {hidden}]")
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    _check(w2.shape == (experts, hidden, inter) and w2.is_contiguous(),
+           f"w2 {tuple(w2.shape)}: expected contiguous [{experts}, {hidden}, {inter}]")
+    _check(ids.dim() == 2 and ids.shape[0] == tokens and ids.dtype == torch.int64 and ids.is_contiguous(),
+           f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [{tokens}, k] int64")
+    _check(weights.shape == ids.shape and weights.dtype == torch.float32 and weights.is_contiguous(),
+           f"weights {tuple(weights.shape)} {weights.dtype}: expected contiguous {tuple(ids.shape)} float32")
+    _check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
+    top_k = ids.shape[1]
+    out = torch.empty_like(x)
+    if tokens == 0 or top_k == 0:
+        return out.zero_()
+    config = config or default_config(tokens, x.dtype)
+    sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m)
+    blocks = block_expert.shape[0]
+    num_pairs = ids.numel()
+    precision = _dot_precision(x.dtype)
+    launch = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+
+    intermediate = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [slots, I]
+    _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+        x, w13, sorted_pairs, block_expert, intermediate, num_pairs, x.stride(0), TOP_K=top_k, H=hidden, I=inter,
+        **launch)
+    per_pair = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T·k, H], weighted
+    _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
+        intermediate, w2, sorted_pairs, block_expert, weights, per_pair, num_pairs, H=hidden, I=inter, **launch)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, out.stride(0), TOP_K=top_k, H=hidden,
+                                                               BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,71 @@
+"""The EAGLE-3 drafter's paged KV cache and its attention (plain torch: CPU and CUDA, eager).
+
+The cache is indexed exactly like the target's latent cache — same pages, page tables and slot
+mapping (``page * page_size + offset``) — so it needs no allocator of its own: a request's pages
+already cover every position the drafter writes (the step's tokens plus the k - 1 lookahead the
+scheduler reserves for model drafters), and pages freed by the target are free for the drafter too.
+Layout ``[num_pages, page_size, 2, Hkv, d]``: a token's K and V side by side, one write per token.
+Page 0 is the dummy page, as for the target (never read unmasked).
+
+Attention follows the step layout (backends/metadata.py): prefill rows are ragged — every prefill
+token attends to its own row's keys up to its position, one masked SDPA over the rows' gathered
+pages; decode rows are uniform — one batched SDPA, query i of a row attending to the row's keys up
+to its own position (the prefix, then causal within the row). GQA through SDPA's ``enable_gqa``.
+Like the torch MLA backend it reads every page of the page table, masked past each position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from encore.backends.metadata import ForwardBatch
+
+
+class DraftKVCache:
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.cache = torch.zeros(num_pages, page_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq, d], k / v [T, Hkv, d] (RoPE applied) -> [T, Hq, d]; writes k, v at the step's slots
+        first, so that every query sees its own key."""
+        kv_heads, head_dim = self.cache.shape[-2:]
+        if k.shape[1:] != (kv_heads, head_dim) or q.shape[0] != batch.slot_mapping.shape[0]:
+            raise ValueError(f"draft attention got q {tuple(q.shape)} and k {tuple(k.shape)} for "
+                             f"{batch.slot_mapping.shape[0]} slots; the cache holds {kv_heads} heads of {head_dim}")
+        self.cache.view(-1, 2, kv_heads, head_dim)[batch.slot_mapping] = torch.stack([k, v], dim=1).to(self.cache.dtype)
+        out = torch.empty_like(q)
+        split = batch.num_extend_tokens
+        if batch.num_extends:
+            out[:split] = self._prefill(q[:split], batch)
+        if batch.num_decodes:
+            out[split:] = self._decode(q[split:], batch)
+        return out
+
+    def _prefill(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        rows, tokens = batch.num_extends, q.shape[0]
+        kv = self.cache[batch.page_table[:rows]].flatten(1, 2)  # [E, S, 2, Hkv, d]
+        span = kv.shape[1]
+        indptr = batch.qo_indptr[1:rows + 1]
+        token_row = torch.searchsorted(indptr, torch.arange(tokens, device=q.device, dtype=indptr.dtype), right=True)
+        key_row = torch.arange(rows, device=q.device).repeat_interleave(span)  # [E * S]
+        key_pos = torch.arange(span, device=q.device).repeat(rows)  # [E * S]
+        mask = (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= batch.positions[:tokens, None])
+        k = kv[:, :, 0].flatten(0, 1).transpose(0, 1)  # [Hkv, E * S, d]
+        v = kv[:, :, 1].flatten(0, 1).transpose(0, 1)  # [Hkv, E * S, d]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=True)  # [Hq, n, d]
+        return o.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        rows, q_len = batch.num_decodes, batch.q_len_per_req
+        kv = self.cache[batch.page_table[batch.num_extends:]].flatten(1, 2)  # [B, S, 2, Hkv, d]
+        positions = batch.positions[batch.num_extend_tokens:].view(rows, q_len)  # [B, q]
+        visible = torch.arange(kv.shape[1], device=q.device)[None, None, :] <= positions[..., None]  # [B, q, S]
+        o = F.scaled_dot_product_attention(
+            q.view(rows, q_len, *q.shape[1:]).transpose(1, 2),  # [B, Hq, q, d]
+            kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),  # [B, Hkv, S, d]
+            attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)  # [B, Hq, q, d]
+        return o.transpose(1, 2).flatten(0, 1)

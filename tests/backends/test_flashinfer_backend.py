@@ -1,0 +1,135 @@
+"""The FlashInfer backend against the torch reference (GPU only: flashinfer's MLA kernels need sm90).
+
+Tolerance: bf16 inputs and caches, float32 reference; relative error per token ≤ 2e-2 (TOL), the
+spread bf16 rounding of q, the cache and the two absorption GEMMs gives (the Triton backend passes the
+same bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import LAYOUTS, TOL, check_against_torch, make_step, max_rel_error, real_tokens, run_backend
+
+from encore.backends.base import MLADims
+from encore.backends.context import StepContext
+from encore.backends.torch_backend import TorchAttentionBackend
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# DeepSeek-V2-Lite's attention (16 heads; qk 192 / vo 128 for the MHA prefill; 512 + 64 latent).
+DIMS = MLADims(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+               softmax_scale=192 ** -0.5)
+SPEC_LAYOUTS = {f"verify-q{q}": ([], [q, 9 + q, 70, 130], q) for q in (2, 3, 4)}
+
+
+def backend_cls():
+    from encore.backends.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(SPEC_LAYOUTS))
+def test_matches_torch(layout, page_size, static):
+    case = LAYOUTS.get(layout) or SPEC_LAYOUTS[layout]
+    check_against_torch(backend_cls(), *case, page_size, torch.bfloat16, DIMS, static)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
+@pytest.mark.parametrize("case", [([], [16384, 17000], 1), ([], [16384, 20000], 4), ([(16000, 300)], [16500], 1)],
+                         ids=["decode-16k", "verify-q4-16k", "mixed-prefix-16k"])
+def test_long_context(case, static):
+    check_against_torch(backend_cls(), *case, 64, torch.bfloat16, DIMS, static)
+
+
+def test_device_planned_steps_take_the_triton_kernels():
+    """A step with no host lengths (speculative draft steps built on the GPU) cannot be planned by
+    flashinfer: it runs on the Triton kernels, counted, and still matches the reference."""
+    batch, cache, inputs = make_step([], [5, 40, 77], 1, 16, torch.bfloat16, DIMS)
+    batch.seq_lens_cpu, batch.prefix_lens_cpu = [], []
+    caches = [cache.clone()]
+    backend = backend_cls()(caches, DIMS)
+    backend.plan(batch)
+    with StepContext(backend).bind(batch):
+        got = backend.forward(0, *inputs, batch)
+    want, _ = run_backend(TorchAttentionBackend, batch, cache, inputs, DIMS)
+    assert backend.device_planned_steps == 1
+    assert max_rel_error(got, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("layout", ["decode-q1", "mixed-q3"])
+def test_static_plan_replays_in_a_cuda_graph(layout):
+    """Capture once, then re-plan and replay on other lengths and pages in the same buffers: the replay
+    matches the reference on the new step (flashinfer keeps a shape's workspace layout across plans)."""
+    extends, decodes, q_len = LAYOUTS[layout]
+    first = make_step(extends, decodes, q_len, 16, torch.bfloat16, DIMS, seed=1)[0]
+    grown = [(p + 3, n) for p, n in extends], [s + 25 for s in decodes]
+    second, cache, inputs = make_step(*grown, q_len, 16, torch.bfloat16, DIMS, seed=2)  # the larger cache
+    width = max(first.page_table.shape[1], second.page_table.shape[1])
+    static = make_step(*grown, q_len, 16, torch.bfloat16, DIMS, seed=2)[0]
+    static.page_table = torch.zeros(static.bs, width, dtype=torch.int32, device="cuda")
+    caches = [cache.clone()]
+    backend = backend_cls()(caches, DIMS)
+    context = StepContext(backend)
+
+    def load(step):  # the graph's inputs live in ``static``'s buffers
+        for name in ("seq_lens", "prefix_lens", "qo_indptr", "positions", "slot_mapping"):
+            getattr(static, name).copy_(getattr(step, name))
+        static.page_table.zero_()
+        static.page_table[:, :step.page_table.shape[1]].copy_(step.page_table)
+        static.seq_lens_cpu, static.prefix_lens_cpu = step.seq_lens_cpu, step.prefix_lens_cpu
+
+    assert first.num_tokens == second.num_tokens
+    load(first)
+    with context.bind(static):
+        backend.plan(static, static=True)
+        backend.forward(0, *inputs, static)  # warm-up: JIT and workspace
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(0, *inputs, static)
+    load(second)
+    with context.bind(static):
+        backend.plan(static, static=True)
+        graph.replay()
+    want, _ = run_backend(TorchAttentionBackend, second, caches[0], inputs, DIMS)
+    keep = real_tokens(second)
+    assert max_rel_error(out[keep], want[keep]) < TOL[torch.bfloat16]
+
+
+GAP = 0.05  # logprob gap between the reference's top two tokens below which bf16 kernels may pick either
+
+
+def test_engine_greedy_matches_the_torch_backend(tmp_path):
+    """End to end with CUDA graphs (DECODE, MIXED and EXTEND keys, padding included) on a tiny V2-Lite
+    checkpoint with DeepSeek's attention widths, bf16 on both sides. Greedy tokens must agree before
+    the first position where the torch reference's top-two logprobs are within GAP (a near tie that
+    bf16 rounding differences between kernels may flip; from there the sequences may legitimately
+    part). This random checkpoint's distributions are flat, so ties come early: at least two tokens a
+    prompt on average must be compared (the prefill's and a graph-replayed decode step's)."""
+    from checkpoints import write_checkpoint
+
+    from encore.engine import Engine, SamplingParams
+
+    model = write_checkpoint("v2_lite", tmp_path, overrides=dict(kv_lora_rank=128, qk_nope_head_dim=128,
+                                                                 qk_rope_head_dim=64, v_head_dim=128))
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "x" * 70, [5, 9, 40]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    options = dict(model=str(model), device="cuda", dtype="bfloat16", max_model_len=256,
+                   graph_decode_sizes=(1, 2, 4, 8), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,))
+    want = Engine(attention_backend="torch", compile=False, cuda_graphs=False, **options).generate(prompts, params)
+    engine = Engine(**options)
+    assert engine.runner.backend.name == "flashinfer"  # "auto" picks it for these widths in bf16
+    got = engine.generate(prompts, params)
+    compared = 0
+    for ref, out in zip(want, got):
+        gaps = [lp.top[0][1] - lp.top[1][1] for lp in ref.logprobs]
+        exact = next((i for i, gap in enumerate(gaps) if gap < GAP), len(gaps))  # up to the first near tie
+        assert out.token_ids[:exact] == ref.token_ids[:exact], (ref.token_ids, out.token_ids, gaps)
+        compared += exact
+    assert compared >= 2 * len(prompts), compared
+    stats = engine.stats()
+    assert stats["graph_replays"] > 0, stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -1,0 +1,270 @@
+"""The Triton fused MoE (alignment and kernels) against the reference ``experts_torch``.
+
+Without CUDA the kernels run in Triton's interpreter, on tiny shapes; TRITON_INTERPRET must be set
+before triton is first imported, so when another module imported it first the CPU tests skip and
+run again in a child process (as in test_triton_mla.py, whose docstring says why). The interpreter's
+bfloat16 dot is wrong, so CPU tests use float32 and float16; the GPU tests (``-m gpu``) cover
+bfloat16, CUDA-graph replay, the op's dispatch and DeepSeek's real shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRETER_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
+                        and os.environ.get("TRITON_INTERPRET") != "1")
+if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch  # noqa: E402
+from encore.backends.moe_triton import FusedMoEConfig, align_pairs, default_config, fused_moe, max_blocks  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)  # several N and K tiles
+in_process = pytest.mark.skipif(INTERPRETER_TOO_LATE, reason="triton was imported before the interpreter was "
+                                "enabled; test_cpu_tests_in_child_process runs these")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def routing(tokens: int, experts: int, k: int, gen: torch.Generator, spread: int | None = None) -> torch.Tensor:
+    """ids [T, k] int64: k distinct experts per token, drawn from the first ``spread`` experts (all of
+    them by default), so tokens share experts and some experts get none."""
+    pool = spread or experts
+    return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(tokens)]).to(DEVICE)
+
+
+def inputs(tokens: int, experts: int, k: int, hidden: int, inter: int, dtype: torch.dtype = torch.float32,
+           seed: int = 0, spread: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights = torch.rand(tokens, k, generator=gen)
+    to = dict(device=DEVICE, dtype=dtype)
+    return x.to(**to), w13.to(**to), w2.to(**to), weights.to(DEVICE), routing(tokens, experts, k, gen, spread)
+
+
+def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest per-token relative error (norms over H)."""
+    diff = (out.float() - ref.float()).norm(dim=1)
+    return (diff / ref.float().norm(dim=1).clamp_min(1e-6)).max().item()
+
+
+# ---------------------------------------------------------------- alignment (CPU: interpreter)
+
+def expected_alignment(ids: torch.Tensor, experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """The layout align_pairs promises, built in Python: experts in order, each one's pairs in pair
+    order padded with the sentinel to whole blocks, then sentinel blocks of expert -1 up to the bound."""
+    flat = ids.flatten().tolist()
+    sentinel, blocks = len(flat), max_blocks(len(flat), experts, block_m)
+    slots, block_expert = [], []
+    for expert in range(experts):
+        pairs = [p for p, e in enumerate(flat) if e == expert]
+        used = -(-len(pairs) // block_m)
+        slots += pairs + [sentinel] * (used * block_m - len(pairs))
+        block_expert += [expert] * used
+    block_expert += [-1] * (blocks - len(block_expert))
+    return slots + [sentinel] * (blocks * block_m - len(slots)), block_expert
+
+
+@in_process
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("tokens, experts, k, spread", [
+    (1, 8, 2, None),  # six experts get no token
+    (3, 8, 2, None),
+    (17, 8, 2, None),  # experts repeat across tokens; several blocks per expert at block_m 4
+    (17, 8, 1, 1),  # every token on expert 0
+    (5, 16, 3, 3),  # experts 3..15 get none
+    (150, 64, 3, None),  # 450 pairs: several alignment chunks, each carrying the counts forward
+])
+def test_align_pairs_layout(tokens, experts, k, spread, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = routing(tokens, experts, k, gen, spread)
+    sorted_pairs, block_expert = align_pairs(ids, experts, block_m)
+    want_slots, want_blocks = expected_alignment(ids.cpu(), experts, block_m)
+    assert block_expert.tolist() == want_blocks
+    assert sorted_pairs.tolist() == want_slots
+    # The properties the kernels rely on, stated directly.
+    real = sorted_pairs[sorted_pairs < ids.numel()].long()
+    assert sorted(real.tolist()) == list(range(ids.numel()))  # every pair exactly once
+    owner = block_expert.repeat_interleave(block_m)[sorted_pairs < ids.numel()]
+    assert torch.equal(ids.flatten()[real].int(), owner)  # each pair in a block of its expert
+
+
+@in_process
+def test_align_pairs_bound_is_tight():
+    # One token, k distinct experts: k blocks of one pair each, exactly the bound — no spare program.
+    ids = torch.tensor([[5, 0, 7]], device=DEVICE)
+    sorted_pairs, block_expert = align_pairs(ids, 8, 16)
+    assert block_expert.tolist() == [0, 5, 7]
+    assert sorted_pairs.view(3, 16)[:, 0].tolist() == [1, 0, 2]
+
+
+# ---------------------------------------------------------------- fused MoE (CPU: interpreter)
+
+@in_process
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small-tiles"])
+@pytest.mark.parametrize("tokens, experts, k, spread", [
+    (1, 8, 2, None), (3, 8, 2, None), (17, 8, 2, None), (17, 8, 1, 1), (17, 8, 3, 4), (5, 16, 4, None)])
+def test_fused_moe_matches_reference(tokens, experts, k, spread, config):
+    x, w13, w2, weights, ids = inputs(tokens, experts, k, 64, 48, spread=spread)
+    out = fused_moe(x, w13, w2, weights, ids, config=config)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert max_rel_error(out, experts_torch(x, w13, w2, weights, ids)) <= 1e-5
+
+
+@in_process
+def test_fused_moe_float16_and_strided_x():
+    x, w13, w2, weights, ids = inputs(9, 8, 2, 64, 48, dtype=torch.float16)
+    wide = torch.zeros(9, 80, dtype=torch.float16, device=DEVICE)
+    wide[:, :64] = x
+    out = fused_moe(wide[:, :64], w13, w2, weights, ids, config=SMALL)  # rows 80 apart
+    assert max_rel_error(out, experts_torch(x.float(), w13.float(), w2.float(), weights, ids)) <= 2e-3
+
+
+@in_process
+def test_fused_moe_no_tokens():
+    _, w13, w2, _, _ = inputs(1, 8, 2, 64, 48)
+    x, weights = torch.empty(0, 64, device=DEVICE), torch.empty(0, 2, device=DEVICE)
+    assert fused_moe(x, w13, w2, weights, torch.empty(0, 2, dtype=torch.int64, device=DEVICE)).shape == (0, 64)
+
+
+@in_process
+def test_fused_moe_rejects_bad_inputs():
+    x, w13, w2, weights, ids = inputs(3, 8, 2, 64, 48)
+    with pytest.raises(ValueError, match="ids"):
+        fused_moe(x, w13, w2, weights, ids.int())
+    with pytest.raises(ValueError, match="weights"):
+        fused_moe(x, w13, w2, weights.double(), ids)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13, w2.transpose(1, 2).contiguous(), weights, ids)
+    with pytest.raises(ValueError, match="w13"):
+        fused_moe(x, w13[:, :, :32], w2, weights, ids)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        fused_moe(x.half(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="block_k=24"):
+        FusedMoEConfig(block_m=16, block_n=32, block_k=24, num_warps=4, num_stages=1)
+
+
+def test_default_config_by_tokens_and_dtype():
+    blocks = [default_config(tokens, torch.bfloat16).block_m for tokens in (1, 64, 128, 129, 4096)]
+    assert blocks == sorted(blocks) and blocks[0] == 16 and blocks[-1] > 16  # larger blocks for larger batches
+    assert default_config(64, torch.float32).block_k == default_config(64, torch.bfloat16).block_k // 2
+
+
+@pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
+def test_cpu_tests_in_child_process():
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- GPU: bf16, real shapes, graphs, dispatch
+
+# Per-token relative error vs float32 with bf16 inputs and a bf16 intermediate (2^-8 rounding of each
+# SiLU(gate)·up element); on V2-Lite the fused MoE and experts_grouped differ by ~5e-3 overall.
+BF16_TOL = 1e-2
+SHAPES = {"v2-lite": dict(experts=64, k=6, hidden=2048, inter=1408),
+          "v3": dict(experts=256, k=8, hidden=7168, inter=2048)}
+
+
+@pytest.fixture(scope="module")
+def layer():
+    """layer(name) -> random bf16 (w13, w2) of that shape, made once on the GPU (V3's are 22.5 GB, so
+    no float32 copy of them is ever made)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            shape = SHAPES[name]
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+            made[name] = (torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=torch.bfloat16) * h ** -0.5,
+                          torch.randn(e, h, i, generator=gen, device="cuda", dtype=torch.bfloat16) * i ** -0.5)
+        return made[name]
+
+    yield get
+    made.clear()
+    torch.cuda.empty_cache()
+
+
+def bf16_routing(tokens: int, name: str, seed: int):
+    """x [T, H] bf16, weights [T, k] float32, ids [T, k] int64 (top-k of random scores)."""
+    shape = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, shape["hidden"], generator=gen, device="cuda").bfloat16()
+    ids = torch.rand(tokens, shape["experts"], generator=gen, device="cuda").topk(shape["k"], dim=-1).indices
+    return x, torch.rand(tokens, shape["k"], generator=gen, device="cuda"), ids
+
+
+def float32_reference(x, w13, w2, weights, ids):
+    """experts_torch in float32 over the chosen experts only (renumbered), so that V3 needs no float32
+    copy of all its weights."""
+    used = ids.unique()  # sorted
+    return experts_torch(x.float(), w13[used].float(), w2[used].float(), weights, torch.searchsorted(used, ids))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, tokens", [("v2-lite", 1), ("v2-lite", 8), ("v2-lite", 64), ("v3", 1), ("v3", 4)])
+def test_bf16_real_shapes_gpu(layer, name, tokens):
+    w13, w2 = layer(name)
+    x, weights, ids = bf16_routing(tokens, name, seed=tokens)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert max_rel_error(out, float32_reference(x, w13, w2, weights, ids)) < BF16_TOL
+    assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))  # deterministic
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 64, 200, 300, 1500])
+def test_small_shapes_both_dtypes_gpu(tokens, dtype):
+    # Every row of the config table; float32 runs the fused MoE on CUDA at every size.
+    x, w13, w2, weights, ids = inputs(tokens, 16, 4, 256, 96, dtype=dtype, seed=tokens)
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    assert max_rel_error(fused_moe(x, w13, w2, weights, ids), ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_cuda_graph_replay_gpu(layer, tokens):
+    """Capture once, then change the inputs in place, the routing from spread out to every token on
+    expert 3: the replay must equal an eager call on the new inputs, bit for bit."""
+    w13, w2 = layer("v2-lite")
+    static = [t.clone() for t in bf16_routing(tokens, "v2-lite", seed=1)]
+    fused_moe(static[0], w13, w2, static[1], static[2])  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(static[0], w13, w2, static[1], static[2])
+    x, weights, ids = bf16_routing(tokens, "v2-lite", seed=2)
+    ids = torch.where(ids == 3, ids[:, :1], ids)  # keep each token's experts distinct...
+    ids[:, 0] = 3  # ...with expert 3 first
+    for buf, new in zip(static, (x, weights, ids)):
+        buf.copy_(new)
+    graph.replay()
+    assert torch.equal(out, fused_moe(x, w13, w2, weights, ids))
+    assert max_rel_error(out, float32_reference(x, w13, w2, weights, ids)) < BF16_TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_op_dispatch_by_pairs_gpu(layer, dtype):
+    """The op runs the fused MoE up to FUSED_MOE_MAX_PAIRS pairs and, for bf16, experts_grouped above;
+    float32 always the fused MoE (torch._grouped_mm has no float32 GPU kernel)."""
+    w13, w2 = (w.to(dtype) for w in layer("v2-lite"))
+    k = SHAPES["v2-lite"]["k"]
+    for tokens in (FUSED_MOE_MAX_PAIRS // k, FUSED_MOE_MAX_PAIRS // k + 1):
+        x, weights, ids = bf16_routing(tokens, "v2-lite", seed=tokens)
+        x = x.to(dtype)
+        grouped = dtype == torch.bfloat16 and ids.numel() > FUSED_MOE_MAX_PAIRS
+        want = (experts_grouped if grouped else fused_moe)(x, w13, w2, weights, ids)
+        assert torch.equal(torch.ops.encore.routed_experts(x, w13, w2, weights, ids), want), (tokens, grouped)
