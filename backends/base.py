@@ -46,6 +46,9 @@ class AttentionBackend(abc.ABC):
                                  f"[num_pages, page_size, {dims.latent_dim}]")
         self.kv_caches = kv_caches
         self.dims = dims
+        # Steps this backend's own kernels could not take and ran on another path: reported in the
+        # engine's stats (``attention_fallback_steps``), never silent.
+        self.fallback_steps = 0
 
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         """Host-side metadata for the step, prefill rows and decode rows planned separately.

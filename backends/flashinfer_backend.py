@@ -18,7 +18,7 @@ Prefill rows take one of two paths, chosen by whether the step's shapes are stat
 
 Planning needs the rows' lengths on the host (``seq_lens_cpu``); flashinfer partitions the work by
 them. A step built on the device (speculative draft steps 2..k advance lengths on the GPU) has none:
-it runs on the Triton backend's kernels instead, counted in ``device_planned_steps``.
+it runs on the Triton backend's kernels instead, counted in ``fallback_steps``.
 
 CUDA graphs: each static shape gets its own wrappers (``use_cuda_graph=True``, reserved metadata
 buffers), re-planned before every replay; flashinfer's fa2/fa3 MLA plans keep their workspace layout
@@ -147,7 +147,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
         self._static: dict[tuple, _MLAPlan] = {}
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
-        self.device_planned_steps = 0
         self._prefill: _MLAPlan | _RaggedPrefill | None = None
         self._decode: _MLAPlan | None = None
         self._on_device = False
@@ -155,7 +154,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         self._on_device = not batch.seq_lens_cpu
         if self._on_device:
-            self.device_planned_steps += 1
+            self.fallback_steps += 1
             self._device_planned.plan(batch, static)
             return
         E, page_size = batch.num_extends, batch.page_size

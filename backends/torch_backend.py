@@ -33,21 +33,13 @@ class TorchAttentionBackend(AttentionBackend):
         rank = self.dims.kv_lora_rank
         num_tokens, heads = q_nope.shape[:2]
         rows = batch.num_extends
-        device = q_nope.device
         kv = cache[batch.page_table[:rows]].flatten(1, 2).float()  # [E, S, R + dr]
         span = kv.shape[1]
         k_nope = torch.einsum("esr,hdr->hesd", kv[..., :rank], w_kc.float())  # [H, E, S, dn]
         v = torch.einsum("esr,hvr->hesv", kv[..., :rank], w_vc.float()).flatten(1, 2)  # [H, E * S, dv]
         k_pe = kv[None, ..., rank:].expand(heads, -1, -1, -1)  # [H, E, S, dr]
         k = torch.cat([k_nope, k_pe], dim=-1).flatten(1, 2)  # [H, E * S, dn + dr]
-        # A token belongs to the row whose qo range holds it; bucket padding past the last range is
-        # attended as the last row's token at position 0: it sees one written key, so stays finite.
-        token_ids = torch.arange(num_tokens, device=device, dtype=batch.qo_indptr.dtype)
-        token_row = torch.searchsorted(batch.qo_indptr[1:rows + 1], token_ids, right=True).clamp_(max=rows - 1)
-        key_row = torch.arange(rows, device=device)[:, None].expand(rows, span).flatten()  # [E * S]
-        key_pos = torch.arange(span, device=device).repeat(rows)  # [E * S]
-        query_pos = batch.positions[:num_tokens]
-        mask = (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= query_pos[:, None])  # [n, E * S]
+        mask = ragged_prefill_mask(batch, num_tokens, span)  # [n, E * S]
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, n, dn + dr]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.dims.softmax_scale)
         out.copy_(o.transpose(0, 1))  # [n, H, dv]
@@ -69,3 +61,17 @@ class TorchAttentionBackend(AttentionBackend):
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         o_lat = torch.einsum("bhqs,bsr->bqhr", scores.softmax(dim=-1), kv[..., :rank])
         out.copy_(torch.einsum("bqhr,hvr->bqhv", o_lat, w_vc.float()).flatten(0, 1))
+
+
+def ragged_prefill_mask(batch: ForwardBatch, num_tokens: int, span: int) -> torch.Tensor:
+    """[n, E * S] bool for the first ``num_tokens`` (prefill) tokens against the prefill rows' keys
+    gathered row after row, S = ``span`` positions each: a token sees its own row's keys up to its
+    position. A token belongs to the row whose qo range holds it; bucket padding past the last range
+    is attended as the last row's token at position 0: it sees one written key, so stays finite."""
+    rows, device = batch.num_extends, batch.positions.device
+    token_ids = torch.arange(num_tokens, device=device, dtype=batch.qo_indptr.dtype)
+    token_row = torch.searchsorted(batch.qo_indptr[1:rows + 1], token_ids, right=True).clamp_(max=rows - 1)
+    key_row = torch.arange(rows, device=device).repeat_interleave(span)  # [E * S]
+    key_pos = torch.arange(span, device=device).repeat(rows)  # [E * S]
+    query_pos = batch.positions[:num_tokens]
+    return (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= query_pos[:, None])

@@ -86,19 +86,24 @@ def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: 
     return runner
 
 
-def decode_batch(bs: int, context: int, device: torch.device) -> ForwardBatch:
-    """Every row at ``context`` cached tokens, decoding its next one (pages 1.. in row order)."""
-    pages_per_row = math.ceil((context + 1) / PAGE_SIZE)
-    table = 1 + torch.arange(bs * pages_per_row, dtype=torch.int32, device=device).view(bs, pages_per_row)
-    positions = torch.full((bs,), context, dtype=torch.int64, device=device)
-    slots = table[:, context // PAGE_SIZE].long() * PAGE_SIZE + context % PAGE_SIZE
-    rows = torch.arange(bs, device=device)
-    return ForwardBatch(num_extends=0, q_len_per_req=1, bs=bs, num_tokens=bs, page_size=PAGE_SIZE,
-                        input_ids=(rows * 7919) % V2_LITE.vocab_size, positions=positions, slot_mapping=slots,
-                        seq_lens=torch.full((bs,), context + 1, dtype=torch.int32, device=device),
-                        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
-                        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device), page_table=table,
-                        gather_ids=rows, seq_lens_cpu=[context + 1] * bs, prefix_lens_cpu=[context] * bs)
+def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, page_size: int = PAGE_SIZE,
+                 max_pages: int | None = None, vocab: int = V2_LITE.vocab_size) -> ForwardBatch:
+    """Every row at ``context`` cached tokens, feeding ``q_len`` new ones; row b owns ``max_pages``
+    pages (default: just enough) from 1 + b·max_pages on."""
+    max_pages = max_pages or math.ceil((context + q_len) / page_size)
+    table = 1 + torch.arange(bs * max_pages, dtype=torch.int32, device=device).view(bs, max_pages)
+    positions = (context + torch.arange(q_len, device=device)).repeat(bs)  # [bs * q_len]
+    rows = torch.arange(bs, device=device).repeat_interleave(q_len)
+    slots = table[rows, positions // page_size].long() * page_size + positions % page_size
+    tokens = bs * q_len
+    return ForwardBatch(
+        num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=page_size,
+        input_ids=(torch.arange(tokens, device=device) * 7919) % vocab, positions=positions, slot_mapping=slots,
+        seq_lens=torch.full((bs,), context + q_len, dtype=torch.int32, device=device),
+        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
+        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len, page_table=table,
+        gather_ids=torch.arange(tokens, device=device), seq_lens_cpu=[context + q_len] * bs,
+        prefix_lens_cpu=[context] * bs)
 
 
 def time_ms(step, iters: int) -> float:

@@ -25,7 +25,7 @@ import math
 import time
 
 import torch
-from bench_decode_graphs import bytes_read, copy_bandwidth, time_ms
+from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_ms
 
 from encore.backends.metadata import ForwardBatch
 from encore.engine.config import EngineConfig
@@ -114,23 +114,6 @@ def make_runner(cfg: ModelConfig, backend: str, batch_sizes: list[int], context:
     return runner
 
 
-def decode_batch(bs: int, q_len: int, context: int, max_pages: int, device: torch.device) -> ForwardBatch:
-    """Every row at ``context`` cached tokens, feeding ``q_len`` new ones (row b owns pages 1 + b·P ..)."""
-    table = 1 + torch.arange(bs * max_pages, dtype=torch.int32, device=device).view(bs, max_pages)
-    positions = (context + torch.arange(q_len, device=device)).repeat(bs)  # [bs * q_len]
-    rows = torch.arange(bs, device=device).repeat_interleave(q_len)
-    slots = table[rows, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
-    tokens = bs * q_len
-    return ForwardBatch(
-        num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=PAGE_SIZE,
-        input_ids=(torch.arange(tokens, device=device) * 7919) % V2_LITE["vocab_size"], positions=positions,
-        slot_mapping=slots, seq_lens=torch.full((bs,), context + q_len, dtype=torch.int32, device=device),
-        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
-        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len, page_table=table,
-        gather_ids=torch.arange(tokens, device=device), seq_lens_cpu=[context + q_len] * bs,
-        prefix_lens_cpu=[context] * bs)
-
-
 def prompt_batch(ids: torch.Tensor) -> ForwardBatch:
     """One prefill row of ``ids`` from position 0 on pages 1.."""
     n, device = ids.numel(), ids.device
@@ -167,7 +150,8 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
             floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
             step_ms = {}
             for q_len in (1, VERIFY_Q_LEN):
-                batch = decode_batch(bs, q_len, context, max_pages, runner.device)
+                batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages,
+                                     V2_LITE["vocab_size"])
 
                 def step(batch=batch):
                     hidden = runner.forward(batch, batch.gather_ids)

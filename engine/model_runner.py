@@ -197,6 +197,7 @@ class ModelRunner:
             "compiled_steps": graphs.compiled_steps if graphs is not None else 0,
             "eager_steps": self.eager_steps,
             "drafter_eager_steps": self.drafter_eager_steps,
+            "attention_fallback_steps": self.backend.fallback_steps,
             "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
             "recompiles": compiled.recompiles if compiled is not None else 0,
         }

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from encore.backends.metadata import ForwardBatch
+from encore.backends.torch_backend import ragged_prefill_mask
 
 
 class DraftKVCache:
@@ -45,14 +46,8 @@ class DraftKVCache:
         return out
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        rows, tokens = batch.num_extends, q.shape[0]
-        kv = self.cache[batch.page_table[:rows]].flatten(1, 2)  # [E, S, 2, Hkv, d]
-        span = kv.shape[1]
-        indptr = batch.qo_indptr[1:rows + 1]
-        token_row = torch.searchsorted(indptr, torch.arange(tokens, device=q.device, dtype=indptr.dtype), right=True)
-        key_row = torch.arange(rows, device=q.device).repeat_interleave(span)  # [E * S]
-        key_pos = torch.arange(span, device=q.device).repeat(rows)  # [E * S]
-        mask = (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= batch.positions[:tokens, None])
+        kv = self.cache[batch.page_table[:batch.num_extends]].flatten(1, 2)  # [E, S, 2, Hkv, d]
+        mask = ragged_prefill_mask(batch, q.shape[0], kv.shape[1])  # [n, E * S]
         k = kv[:, :, 0].flatten(0, 1).transpose(0, 1)  # [Hkv, E * S, d]
         v = kv[:, :, 1].flatten(0, 1).transpose(0, 1)  # [Hkv, E * S, d]
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.scale,

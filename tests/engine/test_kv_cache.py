@@ -78,14 +78,20 @@ def small_engine(v3_dir):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_no_page_owned_twice_and_no_leak_under_any_mix(small_engine, ops):
-    engine = small_engine
+    run_ops(small_engine, ops, lambda a, b: (list(range(2, 2 + a)),
+                                             SamplingParams(max_tokens=b, temperature=0.0, ignore_eos=True)))
+
+
+def run_ops(engine, ops, request) -> None:
+    """Applies ``ops`` — ("add", a, b, *rest): add the request ``request(a, b, *rest)`` returns as
+    (prompt, params); ("step", a, ...): a steps; ("abort", a, ...): abort an added request — checking
+    the pool's invariants and that running rows' pages hold their computed tokens after each, then
+    runs the engine dry: every page must be free again."""
     ids = []
-    for op, a, b in ops:
+    for op, a, b, *rest in ops:
         if op == "add":
-            rid = f"q{len(ids)}"
-            ids.append(rid)
-            engine.add_request(rid, list(range(2, 2 + a)), SamplingParams(max_tokens=b, temperature=0.0,
-                                                                          ignore_eos=True))
+            ids.append(f"q{len(ids)}")
+            engine.add_request(ids[-1], *request(a, b, *rest))
         elif op == "step":
             for _ in range(a):
                 engine.step()
@@ -93,7 +99,7 @@ def test_no_page_owned_twice_and_no_leak_under_any_mix(small_engine, ops):
             engine.abort(ids[a % len(ids)])
         check_invariants(engine.kv)
         for req in engine.scheduler.running:
-            assert len(engine.kv.table(req.request_id)) * 4 >= req.num_computed
+            assert len(engine.kv.table(req.request_id)) * engine.config.page_size >= req.num_computed
     while engine.has_unfinished_requests():
         engine.step()
         check_invariants(engine.kv)

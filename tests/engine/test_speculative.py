@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from checkpoints import write_eagle3_checkpoint, write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
-from test_kv_cache import check_invariants
+from test_kv_cache import run_ops
 from workloads import run_staggered
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -194,25 +194,10 @@ ops = st.lists(st.one_of(
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_no_page_leak_or_double_use_with_speculation(spec_engine, ops):
-    engine = spec_engine
-    ids = []
-    for op, a, b, temperature in ops:
-        if op == "add":
-            rid = f"s{len(ids)}"
-            ids.append(rid)
-            engine.add_request(rid, [(7 * a + j) % 300 + 2 for j in range(a)],
-                               SamplingParams(max_tokens=b, temperature=temperature, seed=a, ignore_eos=True))
-        elif op == "step":
-            for _ in range(a):
-                engine.step()
-        elif ids:
-            engine.abort(ids[a % len(ids)])
-        check_invariants(engine.kv)
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_invariants(engine.kv)
-    assert engine.kv.num_free_pages == engine.kv.num_total_pages
-    assert not engine.speculator.draft_probs
+    run_ops(spec_engine, ops, lambda a, b, temperature: (
+        [(7 * a + j) % 300 + 2 for j in range(a)],
+        SamplingParams(max_tokens=b, temperature=temperature, seed=a, ignore_eos=True)))
+    assert not spec_engine.speculator.draft_probs
 
 
 def test_speculative_config_errors_name_the_problem(v3_dir, small_vocab_eagle3):
