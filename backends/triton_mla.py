@@ -38,8 +38,9 @@ import triton.language as tl
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KV_SPLITS = 64
-# A split shorter than this costs more in its fixed work (the query load, the merge) than it saves.
-MIN_KEYS_PER_SPLIT = 128
+# A split shorter than this costs more in its fixed work (the query load, the merge) than it saves
+# (benchmarks/tune_mla_decode.py: bs 1 × 1k keys runs fastest at 32 splits of 32 keys).
+MIN_KEYS_PER_SPLIT = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +65,15 @@ class KernelConfig:
 
 
 def default_decode_config(q_len: int, num_heads: int) -> KernelConfig:
-    """16 (position, head) pairs per program when a row has no more, else 32. With R = 512 and eight
-    warps the float32 [block_m, R] accumulator and the loop-invariant query stay in registers (ptxas
-    for sm_90: ~100 registers at 16 x 32, ~128 at 32 x 16, no spills; four warps spill, block_m 64 needs
-    ~255 and so one program per SM); three stages keep two KV tiles in flight while one is used."""
+    """Measured on an H200 (benchmarks/tune_mla_decode.py, bf16, H 16, R 512, bs 1/8/64 × 1k/8k):
+    16 (position, head) pairs per program, 32 keys per tile and four warps when a row has no more
+    pairs (q_len 1 with 16 heads: a [16, 512] float32 accumulator fits four warps' registers); else 32
+    pairs × 64 keys on eight warps, 2-3× faster than 32 × 16 for q_len 2-4 at bs 8-64. The kernel's KV
+    loop is not software-pipelined by Triton (its binaries for 1-3 stages are identical), so
+    num_stages is nominal."""
     if q_len * num_heads <= 16:
-        return KernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=3)
-    return KernelConfig(block_m=32, block_n=16, num_warps=8, num_stages=3)
+        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
 
 
 # Hopper: wgmma tiles of 128 queries x 64 keys (D = 192 as 128 + 64), ~190 registers, no spills.
@@ -86,12 +89,12 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_kv_splits(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
                          block_m: int) -> int:
-    """Splits per row so that a decode grid smaller than the GPU fills it about twice, each split keeping
-    at least MIN_KEYS_PER_SPLIT keys of a ``max_seq_len`` row; a grid that fills the GPU is not split.
-    Host-side: ``max_seq_len`` is a bound the caller knows without reading the device (e.g. the page
-    table's width times the page size)."""
+    """Splits per row so that a decode grid smaller than the GPU fills it about once (measured: filling
+    it twice was 1.1-1.5× slower at q_len 2-4), each split keeping at least MIN_KEYS_PER_SPLIT keys of
+    a ``max_seq_len`` row; a grid that fills the GPU is not split. Host-side: ``max_seq_len`` is a
+    bound the caller knows without reading the device (e.g. the page table's width times the page size)."""
     programs = batch * triton.cdiv(q_len * num_heads, block_m)
-    by_occupancy = 1 if programs >= num_sms else triton.cdiv(2 * num_sms, programs)
+    by_occupancy = 1 if programs >= num_sms else triton.cdiv(num_sms, programs)
     by_length = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 

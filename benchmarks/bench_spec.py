@@ -2,11 +2,13 @@
 
 A. DeepSeek-V2-Lite shape (random bf16 weights on the GPU, the "auto" attention backend, CUDA graphs):
    one verify step (q_len 1 + k) vs one plain decode step, at bs 1 and 16, context 1024.
-B. encore-tiny end to end (CUDA graphs, greedy, 96 tokens per request) at bs 1 and 16: plain decoding
-   (the peer), real MTP drafting with k = 1..4, and the replaying test drafter at per-draft error
-   rates 0.5 / 0.3 / 0.1 — synthetic acceptance by construction — with k = 1..4.
+B. encore-tiny end to end (float32, CUDA graphs, greedy, 96 tokens per request) at bs 1 and 16: plain
+   decoding (the peer), real MTP drafting with k = 1..4, and the replaying test drafter at per-draft
+   error rates 0.5 / 0.3 / 0.1 — synthetic acceptance by construction — with k = 1..4. float32 because
+   the replay drafter replays the plain run's tokens: in bf16 a verify step's numerics differ from a
+   decode step's, so the target soon leaves the replayed continuation and acceptance collapses.
 
-    python benchmarks/bench_spec.py [--json out.json]
+    python benchmarks/bench_spec.py [--skip-v2-lite] [--methods mtp,replay] [--compile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,11 +67,14 @@ def verify_vs_decode(context: int, iters: int) -> list[dict]:
     return rows
 
 
-def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int) -> tuple[float, dict, list[list[int]]]:
-    engine = Engine(device="cuda", compile=False, cuda_graphs=True, max_model_len=512, speculative=speculative, **KEYS)
+def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool
+                 ) -> tuple[float, dict, list[list[int]]]:
+    engine = Engine(device="cuda", dtype="float32", compile=compile_, cuda_graphs=True, max_model_len=512,
+                    speculative=speculative, **KEYS)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
+    # Warm-up on the same batch (eager prefill kernels JIT-compile per shape on first use).
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -77,25 +82,29 @@ def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int) -> tuple[fl
     return bs * max_tokens / seconds, engine.stats(), [o.token_ids for o in outs]
 
 
-def end_to_end(max_tokens: int) -> list[dict]:
+def end_to_end(max_tokens: int, methods: list[str], compile_: bool) -> list[dict]:
     rows = []
     for bs in (1, 16):
-        plain, _, tokens = tokens_per_s(bs, None, max_tokens + 8)
-        # The generate() after the warm-up request names rows gen-1 .. gen-bs.
-        truth = {f"gen-{i + 1}": t for i, t in enumerate(tokens)}
+        plain, _, tokens = tokens_per_s(bs, None, max_tokens + 8, compile_)
+        # The generate() after the warm-up batch names rows gen-bs .. gen-(2·bs - 1).
+        truth = {f"gen-{bs + i}": t for i, t in enumerate(tokens)}
         rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(plain, 1), "speedup": 1.0,
                      "acceptance": None})
-        configs = [("mtp", None)] + [("replay", e) for e in (0.5, 0.3, 0.1)]
+        configs = ([("mtp", None)] if "mtp" in methods else []) + (
+            [("replay", e) for e in (0.5, 0.3, 0.1)] if "replay" in methods else [])
         for method, error in configs:
             for k in (1, 2, 3, 4):
                 spec = {"method": method, "num_speculative_tokens": k}
                 if method == "replay":
                     spec.update(continuations=truth, error_rate=error)
-                tps, stats, _ = tokens_per_s(bs, spec, max_tokens)
+                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_)
                 label = "mtp" if method == "mtp" else f"replay err {error}"
                 rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(tps, 1),
                              "speedup": round(tps / plain, 2), "acceptance": round(stats["spec_acceptance_rate"], 3),
-                             "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2)})
+                             "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2),
+                             "drafter_graph_replays": stats["drafter_graph_replays"],
+                             "drafter_eager_steps": stats["drafter_eager_steps"],
+                             "drafter_compiles": stats["drafter_compiles"]})
     return rows
 
 
@@ -105,6 +114,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--skip-v2-lite", action="store_true")
+    ap.add_argument("--methods", default="mtp,replay", help="drafters of part B: mtp, replay")
+    ap.add_argument("--compile", action="store_true", help="part B with compiled graphs (target and drafter)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}")
@@ -114,15 +125,17 @@ def main() -> None:
         print(f"{'bs':>3} {'q_len':>5} {'ms':>8} {'x decode':>9}")
         for r in a:
             print(f"{r['bs']:>3} {r['q_len']:>5} {r['ms']:>8} {r['x_decode']:>9}")
-    b = end_to_end(args.max_tokens)
-    print("B. encore-tiny end to end, greedy, CUDA graphs (replay acceptance is synthetic)")
+    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile)
+    print(f"B. encore-tiny end to end, float32, greedy, CUDA graphs, compile={args.compile} "
+          "(replay acceptance is synthetic)")
     print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}")
     for r in b:
         print(f"{r['bs']:>3} {r['drafter']:>16} {r['k']:>2} {r['tok_s']:>9} {r['speedup']:>8} "
               f"{str(r['acceptance']):>7} {str(r.get('mean_accepted_len', '')):>8}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "verify_vs_decode": a, "end_to_end": b}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "compile": args.compile, "verify_vs_decode": a,
+                       "end_to_end": b}, f, indent=2)
 
 
 if __name__ == "__main__":

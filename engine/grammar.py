@@ -15,10 +15,22 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _KINDS = ("json_schema", "regex", "ebnf", "json_object")
+
+
+def _xgr():
+    """xgrammar, imported on first use: it imports transformers, seconds of start-up that an engine
+    serving no structured output should not pay."""
+    import xgrammar
+
+    return xgrammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +42,12 @@ class GrammarSpec:
         try:
             if self.kind == "json_schema":
                 # Compact JSON: with free whitespace a weak model can emit blanks until max_tokens.
-                return _strict_strings(xgr.Grammar.from_json_schema(self.source, any_whitespace=False))
+                return _strict_strings(_xgr().Grammar.from_json_schema(self.source, any_whitespace=False))
             if self.kind == "regex":
-                return xgr.Grammar.from_regex(self.source)
+                return _xgr().Grammar.from_regex(self.source)
             if self.kind == "ebnf":
-                return xgr.Grammar.from_ebnf(self.source)
-            return xgr.Grammar.builtin_json_grammar()
+                return _xgr().Grammar.from_ebnf(self.source)
+            return _xgr().Grammar.builtin_json_grammar()
         except RuntimeError as e:
             raise ValueError(f"invalid {self.kind}: {_strip_location(str(e))}") from None
 
@@ -72,7 +84,7 @@ _JSON_CHARS = r'[^\"\\\0-\x1f]'
 
 def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
 
 
 def _strip_location(message: str) -> str:
@@ -86,8 +98,8 @@ class GrammarCompilerPool:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2,
                  cache_size: int = 256) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=max_threads)
         self.vocab_size = vocab_size
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encore-grammar")
         self.cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
@@ -117,7 +129,7 @@ class RequestGrammar:
 
     def ready(self) -> bool:
         if self.matcher is None and self.future.done():
-            self.matcher = xgr.GrammarMatcher(self.future.result())
+            self.matcher = _xgr().GrammarMatcher(self.future.result())
         return self.matcher is not None
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> int:
@@ -150,12 +162,12 @@ class RequestGrammar:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(V / 32)] int32, all bits set (every token allowed)."""
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets disallowed tokens' logits to -inf in place (bitmask already on logits' device)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    _xgr().apply_token_bitmask_inplace(logits, bitmask)
 
 
 def step_bitmask(groups: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int) -> torch.Tensor | None:

@@ -97,7 +97,6 @@ class ModelRunner:
         self.graphs = self._graph_runner(config) if config.use_compile or config.use_cuda_graphs else None
         self.graph_cache = GraphCache.for_engine(config, cfg) if self.graphs is not None else None
         self.eager_steps = 0
-        self.drafter_eager_steps = 0
 
     def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         keys = tuple(k for k in keys_for(config) if k.mode in self.backend.graph_modes)
@@ -172,23 +171,6 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
         return hidden if token_ids is None else hidden[token_ids]
 
-    @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over ``batch``'s layout, fed ``input_ids`` and the hidden states ``hidden``
-        [T, hidden]; returns its normed hidden states. Eager (counted in ``drafter_eager_steps``)."""
-        self.drafter_eager_steps += 1
-        with self.context.bind(batch):
-            self.backend.plan(batch)
-            return self.model.mtp(input_ids, batch.positions, hidden, batch)
-
-    @torch.inference_mode()
-    def forward_eagle3(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The EAGLE-3 drafter over ``batch``'s layout, fed ``input_ids`` and ``hidden`` [T, H_draft];
-        returns its pre-norm output. Eager (counted in ``drafter_eager_steps``); its attention reads the
-        batch directly, so no step context is bound."""
-        self.drafter_eager_steps += 1
-        return self.eagle3(input_ids, batch.positions, hidden, batch)
-
     def graph_stats(self) -> dict[str, int]:
         graphs = self.graphs
         compiled = graphs.compiled if graphs is not None else None
@@ -196,9 +178,9 @@ class ModelRunner:
             "graph_replays": graphs.graph_replays if graphs is not None else 0,
             "compiled_steps": graphs.compiled_steps if graphs is not None else 0,
             "eager_steps": self.eager_steps,
-            "drafter_eager_steps": self.drafter_eager_steps,
             "attention_fallback_steps": self.backend.fallback_steps,
             "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
+            "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
             "recompiles": compiled.recompiles if compiled is not None else 0,
         }
 

@@ -53,7 +53,7 @@ class SamplingTensors:
 
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
     top_p: torch.Tensor  # [N] float32
-    top_k: torch.Tensor  # [N] int32 (0 = off)
+    top_k: torch.Tensor  # [N] int64 (0 = off)
     min_p: torch.Tensor  # [N] float32
     repetition_penalty: torch.Tensor  # [N] float32
     presence_penalty: torch.Tensor  # [N] float32
@@ -69,7 +69,7 @@ class SamplingTensors:
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
               device: torch.device) -> SamplingTensors:
-        """Gather per-row values on the host, then copy each field to ``device`` once."""
+        """Gather per-row values on the host, then copy them to ``device`` in one transfer per dtype."""
         n = len(params)
         lengths = {"seeds": len(seeds), "counters": len(counters),
                    "prompt_ids": len(prompt_ids), "output_ids": len(output_ids)}
@@ -78,22 +78,25 @@ class SamplingTensors:
             raise ValueError(f"SamplingTensors.build got {n} params but lengths {bad}; "
                              "every list needs one entry per logits row")
 
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         needs_output = needs_token_history(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        # Two host-to-device copies (one per dtype), split into per-field views on the device.
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                               [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
+                               [p.frequency_penalty for p in params]], dtype=torch.float32).to(device, non_blocking=True)
+        longs = torch.tensor([list(seeds), list(counters), [p.top_k for p in params]],
+                             dtype=torch.int64).to(device, non_blocking=True)
         return cls(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_p=column([p.top_p for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
-            seeds=column(list(seeds), torch.int64),
-            counters=column(list(counters), torch.int64),
+            temperature=floats[0],
+            top_p=floats[1],
+            top_k=longs[2],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
+            seeds=longs[0],
+            counters=longs[1],
             prompt_tokens=_padded(prompt_ids, device) if needs_prompt else None,
             output_tokens=_padded(output_ids, device) if needs_output else None,
             max_logprobs=max(wanted) if wanted else None,
@@ -207,7 +210,7 @@ def _filtered_probs(penalized: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     x = penalized / temperature[:, None]  # [N, V]
     sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
 
-    k = t.top_k.long()  # [N]
+    k = t.top_k  # [N]
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
     in_top_k = sorted_x >= kth  # [N, V] ties with the k-th logit are kept

@@ -57,23 +57,25 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     max_pages = max((len(t) for t in tables), default=0)
     page_table = [t + [0] * (max_pages - len(t)) for t in tables]
 
-    def to(data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
+    # Two host-to-device copies for the whole layout (one per dtype), split into views on the device.
+    tokens, bs = len(input_ids), len(rows)
+    longs = torch.tensor(input_ids + positions + slots + gather_ids, dtype=torch.int64).to(device, non_blocking=True)
+    ints = torch.tensor(seq_lens + prefix_lens + qo_indptr + [p for t in page_table for p in t],
+                        dtype=torch.int32).to(device, non_blocking=True)
     batch = ForwardBatch(
         num_extends=len(step.extends),
         q_len_per_req=step.q_len_per_req,
-        bs=len(rows),
-        num_tokens=len(input_ids),
+        bs=bs,
+        num_tokens=tokens,
         page_size=page_size,
-        input_ids=to(input_ids, torch.int64),
-        positions=to(positions, torch.int64),
-        slot_mapping=to(slots, torch.int64),
-        seq_lens=to(seq_lens, torch.int32),
-        prefix_lens=to(prefix_lens, torch.int32),
-        qo_indptr=to(qo_indptr, torch.int32),
-        page_table=to(page_table, torch.int32).view(len(rows), max_pages),
-        gather_ids=to(gather_ids, torch.int64),
+        input_ids=longs[:tokens],
+        positions=longs[tokens:2 * tokens],
+        slot_mapping=longs[2 * tokens:3 * tokens],
+        seq_lens=ints[:bs],
+        prefix_lens=ints[bs:2 * bs],
+        qo_indptr=ints[2 * bs:3 * bs + 1],
+        page_table=ints[3 * bs + 1:].view(bs, max_pages),
+        gather_ids=longs[3 * tokens:],
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
     )

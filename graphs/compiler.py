@@ -164,9 +164,14 @@ def _entry(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Ten
     return model(input_ids, positions, batch)
 
 
-def fresh_entry() -> Callable:
-    """A copy of ``_entry`` with its own code object, hence its own dynamo cache (module docstring)."""
-    return types.FunctionType(_entry.__code__.replace(), _entry.__globals__, "encore_step")
+def _draft_entry(forward: Callable, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor
+                 ) -> torch.Tensor:
+    return forward(batch, input_ids, hidden)
+
+
+def fresh_entry(entry: Callable = _entry) -> Callable:
+    """A copy of ``entry`` with its own code object, hence its own dynamo cache (module docstring)."""
+    return types.FunctionType(entry.__code__.replace(), entry.__globals__, "encore" + entry.__name__)
 
 
 @contextmanager
@@ -238,3 +243,27 @@ class CompiledModel:
     @property
     def recompiles(self) -> int:
         return sum(max(r.compiles - 1, 0) for r in self.records.values())
+
+
+class CompiledDrafter:
+    """A model drafter's pass (``forward(batch, input_ids, hidden)``, engine/spec/drafters.py) compiled
+    once for DECODE steps: the first pass over a verify step's 1 + k tokens per row and each q_len-1
+    draft step run the same graph, their token count symbolic (ids, positions and the fed states
+    marked dynamic) and the passes specialized to the DECODE family. Only decode-only steps may call
+    it; a pass over prefill rows runs eager."""
+
+    def __init__(self, forward: Callable, passes: Sequence[GraphPass], inductor: bool = True,
+                 compile_threads: int | None = None) -> None:
+        self.forward = forward
+        self.record = CompileRecord()
+        backend = EncoreBackend(ForwardMode.DECODE, passes, self.record, inductor, compile_threads)
+        self._compiled = torch.compile(fresh_entry(_draft_entry), backend=backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if batch.num_extends:
+            raise ValueError(f"the compiled drafter runs decode-only steps; this one has {batch.num_extends} "
+                             "prefill rows")
+        for tensor in (input_ids, batch.positions, hidden):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        with symbolic_sizes():
+            return self._compiled(self.forward, batch, input_ids, hidden)

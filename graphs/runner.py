@@ -69,6 +69,9 @@ class GraphRunner:
         self.graph_replays = 0
         self.compiled_steps = 0
         self.steps_per_key: Counter[GraphKey] = Counter()
+        # The key whose graph the last ``run`` replayed (None: it ran compiled, or no key held it);
+        # a drafter's graph for that key reads the replay's output and step buffers (engine/spec).
+        self.last_replayed: GraphKey | None = None
 
     def _call(self, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
         if self.compiled is not None:
@@ -85,7 +88,7 @@ class GraphRunner:
                 self.backend.plan(static, static=True)
                 start, graphs = time.perf_counter(), self._graphs_compiled()
                 if self.cuda_graphs:
-                    self._warm_up_on_side_stream(key, static)
+                    warm_up_on_side_stream(lambda: self._call(key, static))
                 else:
                     self._call(key, static)
                 compile_s, graphs = time.perf_counter() - start, self._graphs_compiled() - graphs
@@ -101,34 +104,21 @@ class GraphRunner:
     def _graphs_compiled(self) -> int:
         return self.compiled.compiled_graphs if self.compiled is not None else 0
 
-    def _warm_up_on_side_stream(self, key: GraphKey, static: ForwardBatch) -> None:
-        # Warm-up outside the capture stream (the CUDA-graph docs' recipe): lazy initializations
-        # and allocator growth must not happen during capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._call(key, static)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-
     def _capture(self, key: GraphKey, static: ForwardBatch) -> tuple[float, int]:
-        # torch.cuda.graph() empties the allocator's cache on entry: empty it first so the
-        # difference in reserved memory is the pool's growth alone.
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
-        start = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._call(key, static)
-        torch.cuda.synchronize()
+        start, before = time.perf_counter(), reserved_after_sync()
+        graph, hidden = capture(lambda: self._call(key, static), self.pool)
         self._captured[key] = _Captured(graph, hidden)
         return time.perf_counter() - start, torch.cuda.memory_reserved() - before
+
+    def output(self, key: GraphKey) -> torch.Tensor | None:
+        """``key``'s captured output buffer (its hidden states, rewritten by each replay), or None."""
+        captured = self._captured.get(key)
+        return captured.hidden if captured is not None else None
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphKey] | None:
         """Hidden states [key.num_tokens, hidden] of ``batch`` padded to its key, or None if no key holds
         it. Map the batch's token indices into them with ``padding.padded_index``."""
+        self.last_replayed = None
         key = self.table.find(batch)
         if key is None or batch.page_table.shape[1] > self.buffers.max_pages:
             return None
@@ -140,8 +130,37 @@ class GraphRunner:
             if captured is not None:
                 captured.graph.replay()
                 self.graph_replays += 1
+                self.last_replayed = key
                 return captured.hidden, key
             hidden = self._call(key, padded)
         self.compiled_steps += 1
         return hidden, key
 
+
+def warm_up_on_side_stream(fn: Callable[[], object]) -> None:
+    """Runs ``fn`` twice outside the capture stream (the CUDA-graph docs' recipe): lazy
+    initializations, autotuning and allocator growth must not happen during capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def reserved_after_sync() -> int:
+    """Reserved bytes with the allocator's cache emptied: torch.cuda.graph() empties it on entry, so
+    the reserved memory after a capture minus this is the capture's pool growth alone."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def capture(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Captures ``fn`` into a new graph in ``pool``; returns it and ``fn``'s output (a static buffer)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out

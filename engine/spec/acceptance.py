@@ -74,6 +74,19 @@ def verify(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.
     return Verdict(num_accepted, tokens)
 
 
+def verify_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor, max_accept: torch.Tensor | None = None
+                  ) -> Verdict:
+    """``verify`` for rows that are all greedy, from the target's picks alone: target_tokens
+    [B, k + 1] (the argmax after each position), drafts [B, k], max_accept as in ``verify``. Draft i
+    is accepted while it equals the target's pick; the row then emits the target's own picks — the
+    accepted drafts, then the correction (or bonus) token."""
+    k = drafts.shape[1]
+    match = drafts == target_tokens[:, :k]  # [B, k]
+    if max_accept is not None:
+        match &= torch.arange(k, device=drafts.device)[None, :] < max_accept[:, None]
+    return Verdict(match.long().cumprod(dim=1).sum(dim=1), target_tokens)
+
+
 def _uniforms(seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:
     """u[b, i] for the test of draft i + 1: keyed by the counter of the token it would become."""
     if k == 0:

@@ -16,23 +16,32 @@ on device, with no host sync in between:
 
 A model drafter writes KV up to k - 1 positions past the step's tokens: the scheduler reserves
 ``lookahead = k - 1`` extra slots for it.
+
+A step whose rows are all greedy (and penalty-free) needs no distributions: its tokens are the
+target's argmax and verification compares drafts with them (``verify_greedy``), and its drafts are
+the drafter's argmax — for a DECODE step that replayed the target's graph, one replay of the
+drafter's graph for that key (draft_graphs.py). Everything the host needs from a step comes back in
+one device-to-host copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from encore.backends.metadata import ForwardBatch
+from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.request import Request, TokenLogprob
 from encore.engine.sampler import SamplingTensors, needs_token_history, processed_probs, sample_from_probs
 from encore.engine.scheduler import ScheduledStep
-from encore.engine.spec.acceptance import DRAFT_SALT, verify
+from encore.engine.spec.acceptance import DRAFT_SALT, Verdict, verify, verify_greedy
 from encore.engine.spec.config import SpecConfig
+from encore.engine.spec.draft_graphs import DraftGraphs
 from encore.engine.spec.drafters import model_drafter
 from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
+from encore.graphs.compiler import CompiledDrafter
 
 @dataclass(slots=True)
 class RowResult:
@@ -60,6 +69,18 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.verify_rows = 0
+        self.drafter_eager_steps = 0  # steps whose draft ran eager (a first pass and k - 1 draft steps)
+        self.draft_graphs = None
+        self.compiled_drafter = None
+        graphs = runner.graphs
+        if self.model_drafter is not None and graphs is not None and graphs.cuda_graphs:
+            if graphs.compiled is not None and self.model_drafter.compiles:
+                from encore.passes.pipeline import passes_for
+
+                self.compiled_drafter = CompiledDrafter(self.model_drafter.forward, passes_for(ForwardMode.DECODE),
+                                                        compile_threads=graphs.compiled.compile_threads)
+            self.draft_graphs = DraftGraphs(graphs, runner.context, runner.backend, self.k, self._graph_draft)
+            self.draft_graphs.capture()
 
     @property
     def q_len(self) -> int:
@@ -87,31 +108,45 @@ class Speculator:
         runner, k, q_len = self.runner, self.k, self.q_len
         device = runner.device
         n_plain = len(sampled) - len(step.decodes) * q_len
-        hidden = runner.forward(batch)  # [T, hidden]
-        logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
-        runner.apply_masks(logits, masks)
-        t = self._target_tensors(sampled, n_plain, step.decodes, device)
-        probs = processed_probs(logits, t)  # [N, V]
-        plain = verify(probs[:n_plain, None], torch.zeros(n_plain, 0, dtype=torch.long, device=device), None,
-                       t.seeds[:n_plain], t.counters[:n_plain])
         rows = len(step.decodes)
+        # Host-to-device copies before the forward: a copy from pageable memory waits for the stream.
         drafts = torch.tensor([r.draft_token_ids for r in step.decodes], dtype=torch.long,
                               device=device).view(rows, k)
         counted = [0 if r.params.speculative is False else k for r in step.decodes]  # drafts each row may accept
         caps = torch.tensor(counted, device=device) if 0 in counted else None
-        spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts, self._draft_q(step.decodes, drafts),
-                      t.seeds[n_plain::q_len], t.counters[n_plain::q_len], caps)
-        new_drafts = (self._model_draft(step, batch, hidden, plain.tokens[:, 0], spec)
-                      if self.model_drafter is not None else None)
-        want_logprobs = any(r.params.logprobs is not None for r in sampled)
+        params = [r.params for r in sampled]
+        greedy = all(p.greedy for p in params) and not needs_token_history(params)
+        t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
+        hidden = runner.forward(batch)  # [T, hidden]
+        logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
+        runner.apply_masks(logits, masks)
+        if greedy:
+            choice = logits.argmax(dim=-1)  # [N]: every row's token is the target's argmax
+            plain_tokens = choice[:n_plain]
+            spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
+        else:
+            probs = processed_probs(logits, t)  # [N, V]
+            plain_tokens = verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
+                                  t.counters[:n_plain]).tokens[:, 0]
+            spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
+                          self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len], t.counters[n_plain::q_len],
+                          caps)
+        drafting, new_drafts = (self._model_draft(step, batch, hidden, plain_tokens, spec)
+                                if self.model_drafter is not None else ([], None))
+        want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
-        plain_tokens = plain.tokens[:, 0].tolist()
-        accepted = spec.num_accepted.tolist()
-        spec_tokens = spec.tokens.tolist()
+        # One device-to-host copy for everything the host needs from this step.
+        parts = [plain_tokens, spec.num_accepted, spec.tokens.flatten()]
+        if new_drafts is not None:
+            parts.append(new_drafts.flatten())
+        host = torch.cat(parts).tolist()
+        plain_host, host = host[:n_plain], host[n_plain:]
+        accepted, host = host[:rows], host[rows:]
+        spec_tokens = [host[b * q_len:(b + 1) * q_len] for b in range(rows)]
+        draft_host = host[rows * q_len:]
         results = []
         for i, req in enumerate(sampled[:n_plain]):
-            results.append(RowResult(req, [plain_tokens[i]], self._logprobs(logprobs, req, [i], [plain_tokens[i]]),
-                                     None))
+            results.append(RowResult(req, [plain_host[i]], self._logprobs(logprobs, req, [i], [plain_host[i]]), None))
         for b, req in enumerate(step.decodes):
             a = accepted[b]
             emitted = spec_tokens[b][:a + 1]
@@ -123,10 +158,8 @@ class Speculator:
                 self.drafted += counted[b]
                 self.accepted += a
                 self.verify_rows += 1
-        if new_drafts is not None:
-            drafting = [req for req, n in step.extends if req.num_computed + n == len(req.token_ids)] + step.decodes
-            for req, row in zip(drafting, new_drafts.tolist()):
-                req.draft_token_ids = row
+        for i, req in enumerate(drafting):
+            req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
 
     def _target_tensors(self, sampled: list[Request], n_plain: int, decodes: list[Request],
@@ -153,17 +186,22 @@ class Speculator:
         return torch.stack([self.draft_probs.get(r.request_id, one_hot[b]) for b, r in enumerate(decodes)])
 
     def _model_draft(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
-                     plain_tokens: torch.Tensor, spec) -> torch.Tensor:
-        """k drafts per drafting row ([completing prefill rows ‖ verify rows], [D, k])."""
-        runner, k, q_len = self.runner, self.k, self.q_len
-        device = runner.device
-        drafter = self.model_drafter
+                     plain_tokens: torch.Tensor, spec: Verdict) -> tuple[list[Request], torch.Tensor]:
+        """The drafting rows (completing prefill rows, then verify rows) and their k drafts [D, k]."""
+        k, q_len = self.k, self.q_len
+        device = self.runner.device
+        drafting = [req for req, n in step.extends if req.num_computed + n == len(req.token_ids)] + step.decodes
+        greedy = all(r.params.greedy for r in drafting)
+        if greedy and not step.extends and self.draft_graphs is not None:
+            drafts = self.draft_graphs.run(self.runner.graphs.last_replayed, spec.tokens, spec.num_accepted)
+            if drafts is not None:
+                return drafting, drafts
+        self.drafter_eager_steps += 1
         # Tokens shifted by one: position i is fed the token at i + 1.
         shifted: list[int] = []
         fill_at: list[int] = []  # positions whose next token is this step's sampled token
         src_rows: list[int] = []
         src_tokens: list[int] = []
-        drafting: list[Request] = []
         for row, (req, n) in enumerate(step.extends):
             start, end = req.num_computed, req.num_computed + n
             shifted.extend(req.token_ids[start + 1:end + 1])
@@ -172,45 +210,81 @@ class Speculator:
                 shifted.append(0)
                 src_rows.append(row)
                 src_tokens.append(len(shifted) - 1)
-                drafting.append(req)
         te = len(shifted)
         ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
         ids[:te] = torch.tensor(shifted, dtype=torch.long, device=device)
         if fill_at:
             ids[torch.tensor(fill_at, device=device)] = plain_tokens
         ids[te:] = spec.tokens.flatten()  # padded speculation: all 1 + k positions of each verify row
+        if not drafting:  # only partial prefill chunks: the pass fills the drafter's KV, nothing to draft yet
+            self._drafter_pass(self.model_drafter.forward, batch, ids, self.model_drafter.first_input(hidden))
+            return drafting, torch.zeros(0, k, dtype=torch.long, device=device)
         rows = len(step.decodes)
         src = torch.cat([torch.tensor(src_tokens, dtype=torch.long, device=device),
                          te + torch.arange(rows, device=device) * q_len + spec.num_accepted])  # [D]
         src_row = torch.cat([torch.tensor(src_rows, dtype=torch.long, device=device),
                              batch.num_extends + torch.arange(rows, device=device)])
-        drafting += step.decodes
-        h = drafter.first_pass(batch, ids, hidden)[src]  # [D, H_draft]; the pass also fills the drafter's KV
-        if not drafting:  # only partial prefill chunks: nothing to draft yet
-            return torch.zeros(0, k, dtype=torch.long, device=device)
-        positions = batch.positions[src]  # [D]
+        page_table = batch.page_table[src_row]  # [D, P]
+        if greedy:
+            return drafting, self._draft(batch, ids, hidden, src, page_table, _greedy_pick)
         prompt_lens = torch.tensor([len(r.prompt_token_ids) for r in drafting], dtype=torch.long, device=device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
-        page_table = batch.page_table[src_row]  # [D, P]
-        drafts, qs = [], []
-        for s in range(1, k + 1):
-            if s > 1:
-                positions = positions + 1
-                h = drafter.step(_decode_batch(positions, page_table, batch.page_size, drafts[-1]), drafts[-1], h)
-            # The draft of step s is the token at position + 2; its counter is its output index.
+        qs = []
+
+        def pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # The draft at ``positions`` + 2 is its request's output token of that index.
             t = replace(base, counters=positions + 2 - prompt_lens)
-            q = processed_probs(drafter.logits(h), t)  # [D, V]
-            draft = q.argmax(dim=-1) if t.all_greedy else torch.where(
-                t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters, DRAFT_SALT))
-            drafts.append(draft)
+            q = processed_probs(logits, t)  # [D, V]
             qs.append(q)
-        if not base.all_greedy:
-            q_all = torch.stack(qs, dim=1)  # [D, k, V]
-            for i, req in enumerate(drafting):
-                if not req.params.greedy:
-                    self.draft_probs[req.request_id] = q_all[i]
-        return torch.stack(drafts, dim=1)  # [D, k]
+            return torch.where(t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters,
+                                                                                       DRAFT_SALT))
+
+        drafts = self._draft(batch, ids, hidden, src, page_table, pick)
+        q_all = torch.stack(qs, dim=1)  # [D, k, V]
+        for i, req in enumerate(drafting):
+            if not req.params.greedy:
+                self.draft_probs[req.request_id] = q_all[i]
+        return drafting, drafts
+
+    def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor,
+                     accepted: torch.Tensor) -> torch.Tensor:
+        """The greedy draft of a verify key's static step, as its draft graph captures it: every row
+        is a verify row, its first draft read at its accepted position. The backend's plan for the
+        step is already in place (made before the target's replay)."""
+        src = torch.arange(static.bs, device=ids.device) * self.q_len + accepted  # [bs]
+        return self._draft(static, ids, hidden, src, static.page_table, _greedy_pick, plan_first=False,
+                           forward=self.compiled_drafter)
+
+    def _draft(self, batch: ForwardBatch, ids: torch.Tensor, target_hidden: torch.Tensor, src: torch.Tensor,
+               page_table: torch.Tensor, pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               plan_first: bool = True, forward: Callable | None = None) -> torch.Tensor:
+        """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``
+        (pages ``page_table`` [D, P]); ``pick(logits [D, V], positions [D])`` chooses each draft.
+        ``forward`` runs each drafter pass (None: the drafter's own, eager)."""
+        drafter = self.model_drafter
+        forward = forward or drafter.forward
+        h = self._drafter_pass(forward, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
+        positions = batch.positions[src]  # [D]
+        drafts: list[torch.Tensor] = []
+        for s in range(self.k):
+            if s:
+                positions = positions + 1
+                step = _decode_batch(positions, page_table, batch.page_size, drafts[-1])
+                h = self._drafter_pass(forward, step, drafts[-1], h)
+            drafts.append(pick(drafter.logits(h), positions))
+        return torch.stack(drafts, dim=1)
+
+    def _drafter_pass(self, forward: Callable, batch: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor,
+                      plan: bool = True) -> torch.Tensor:
+        """One drafter pass over ``batch``, with the step context bound (and the backend planned,
+        unless ``plan`` is False: a plan already in place) when its attention reads it."""
+        if not self.model_drafter.uses_step_context:
+            return forward(batch, ids, hidden)
+        with self.runner.context.bind(batch):
+            if plan:
+                self.runner.backend.plan(batch)
+            return forward(batch, ids, hidden)
 
     def _logprobs(self, logprobs: torch.Tensor | None, req: Request, rows, tokens: list[int]
                   ) -> list[TokenLogprob] | None:
@@ -229,7 +303,14 @@ class Speculator:
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "spec_mean_accepted_length": 1 + self.accepted / self.verify_rows if self.verify_rows else 0.0,
+            "drafter_eager_steps": self.drafter_eager_steps,
+            "drafter_graph_replays": self.draft_graphs.replays if self.draft_graphs is not None else 0,
+            "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
         }
+
+
+def _greedy_pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _without_penalties(params):

@@ -167,12 +167,14 @@ def test_decode_query_without_keys_writes_zeros(num_kv_splits):
 
 
 def test_choose_num_kv_splits():
-    # Many rows fill the GPU without splitting; one long row splits up to the cap; a short one by length.
+    # Many rows fill the GPU without splitting; one long row splits up to the cap; a short one by length
+    # (32 keys a split at least); a grid short of the SMs splits to fill them once.
     assert choose_num_kv_splits(batch=256, num_heads=16, q_len=1, max_seq_len=8192, num_sms=132, block_m=16) == 1
     assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=65536, num_sms=132,
                                 block_m=16) == MAX_KV_SPLITS
-    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, block_m=16) == 3
-    assert choose_num_kv_splits(batch=8, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=64) == 33
+    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, block_m=16) == 10
+    assert choose_num_kv_splits(batch=8, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=64) == 17
+    assert choose_num_kv_splits(batch=64, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=32) == 2
 
 
 @in_process

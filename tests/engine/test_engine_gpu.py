@@ -39,8 +39,10 @@ def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     assert alone == crowd and len(alone) == 16
 
 
-@pytest.mark.parametrize("method,k", [("mtp", 2), ("ngram", 3)])
+@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 4), ("ngram", 3)])
 def test_cuda_graph_speculative_greedy_matches_plain(method, k):
+    """Verify steps replay the target's graphs; MTP's greedy drafts of DECODE steps replay its draft
+    graphs (prefill steps draft eager)."""
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     small_keys = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
@@ -52,4 +54,6 @@ def test_cuda_graph_speculative_greedy_matches_plain(method, k):
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     stats = spec.stats()
     assert stats["graph_replays"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    if method == "mtp":
+        assert stats["drafter_graph_replays"] > stats["drafter_eager_steps"] > 0, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"]

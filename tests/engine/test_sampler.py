@@ -87,7 +87,7 @@ def test_build_without_penalties_has_no_token_tensors():
     t = _build([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=3)])
     assert t.prompt_tokens is None and t.output_tokens is None
     assert t.max_logprobs is None and t.all_greedy
-    assert t.temperature.dtype == torch.float32 and t.top_k.dtype == torch.int32
+    assert t.temperature.dtype == torch.float32 and t.top_k.dtype == torch.int64
     assert t.seeds.dtype == torch.int64 and t.counters.dtype == torch.int64
     assert t.top_k.tolist() == [0, 3]
 

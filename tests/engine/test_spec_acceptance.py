@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from encore.engine.spec.acceptance import verify
+from encore.engine.spec.acceptance import verify, verify_greedy
 from encore.engine.spec.ngram import NgramDrafter
 
 
@@ -31,6 +31,27 @@ def test_greedy_with_one_hot_draft_distributions_matches_deterministic_drafts():
     b = verify(target, drafts, one_hot([[2, 5]], vocab), torch.tensor([7]), torch.tensor([3]))
     assert a.num_accepted.tolist() == b.num_accepted.tolist() == [1]
     assert a.tokens[0, :2].tolist() == b.tokens[0, :2].tolist() == [2, 3]
+
+
+def test_greedy_verdict_from_target_picks_equals_the_distribution_verdict():
+    """verify_greedy (target argmax only) against verify on the one-hot distributions, on random
+    picks and drafts that match often, with and without caps."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 5, 400
+    for k in (1, 2, 4):
+        picks = torch.randint(0, 3, (rows, k + 1), generator=gen)
+        drafts = torch.where(torch.rand(rows, k, generator=gen) < 0.7, picks[:, :k],
+                             torch.randint(0, vocab, (rows, k), generator=gen))
+        caps = torch.randint(0, k + 1, (rows,), generator=gen)
+        target = torch.nn.functional.one_hot(picks, vocab).float()
+        seeds, counters = torch.arange(rows), torch.zeros(rows, dtype=torch.int64)
+        for cap in (None, caps):
+            want = verify(target, drafts, None, seeds, counters, cap)
+            got = verify_greedy(picks, drafts, cap)
+            assert torch.equal(got.num_accepted, want.num_accepted)
+            assert 0 < want.num_accepted.float().mean() < k  # partial acceptance is exercised
+            for b, n in enumerate(want.num_accepted.tolist()):
+                assert got.tokens[b, :n + 1].tolist() == want.tokens[b, :n + 1].tolist()
 
 
 def _first_token_frequencies(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, n: int) -> torch.Tensor:

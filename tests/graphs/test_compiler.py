@@ -3,12 +3,18 @@ counted and bounded per family."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 from torch import nn
 
 from encore.backends.metadata import ForwardMode
-from encore.graphs.compiler import CompiledModel
+from encore.engine import Engine
+from encore.engine.spec.speculator import _decode_batch
+from encore.graphs.compiler import CompiledDrafter, CompiledModel
 from encore.graphs.keys import GraphKey
+from encore.passes.pipeline import passes_for
 
 
 class Doubler(nn.Module):
@@ -44,3 +50,26 @@ def test_a_family_compiles_once_for_all_its_sizes_and_recompiles_are_counted_the
     assert compiled.records[ForwardMode.DECODE].compiles == 4 and compiled.recompiles == 3
     assert compiled.records[ForwardMode.EXTEND].compiles == 1
     assert len(runs) == 2 + 1  # DECODE compiled twice (the bound), then ran uncompiled; EXTEND once
+
+
+def test_compiled_drafter_matches_the_eager_mtp_pass_at_every_step_size():
+    """The MTP drafter's pass compiled once (DECODE family, token count symbolic) gives the eager pass's
+    states at two step sizes (a q_len-1 draft step of 2 rows and of 4), and refuses prefill rows."""
+    engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
+    speculator, runner = engine.speculator, engine.runner
+    compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (2, 4):
+        table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
+        positions = torch.randint(3, 15, (rows,), generator=gen)
+        ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
+        hidden = torch.randn(rows, engine.model_config.hidden_size, generator=gen)
+        batch = _decode_batch(positions, table, 4, ids)
+        with torch.inference_mode():
+            want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
+            got = speculator._drafter_pass(compiled, batch, ids, hidden)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled.record.compiles == 1 and compiled.record.matches["MlaDispatchSplit"] == 1
+    prefill = replace(batch, num_extends=1)
+    with pytest.raises(ValueError, match="decode-only steps; this one has 1 prefill rows"):
+        compiled(prefill, ids, hidden)
