@@ -55,12 +55,12 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
             gather_ids.append(qo_indptr[-1] - 1)
             sampled.append(req)
     max_pages = max((len(t) for t in tables), default=0)
-    page_table = [t + [0] * (max_pages - len(t)) for t in tables]
+    flat_table = [page for t in tables for page in t + [0] * (max_pages - len(t))]  # [bs * max_pages]
 
     # Two host-to-device copies for the whole layout (one per dtype), split into views on the device.
     tokens, bs = len(input_ids), len(rows)
     longs = torch.tensor(input_ids + positions + slots + gather_ids, dtype=torch.int64).to(device, non_blocking=True)
-    ints = torch.tensor(seq_lens + prefix_lens + qo_indptr + [p for t in page_table for p in t],
+    ints = torch.tensor(seq_lens + prefix_lens + qo_indptr + flat_table,
                         dtype=torch.int32).to(device, non_blocking=True)
     batch = ForwardBatch(
         num_extends=len(step.extends),
