@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int) -> tu
     engine = Engine(**engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(texts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    before = engine.stats()
     n = len(texts)
     start = time.perf_counter()
     for i, text in enumerate(texts):
@@ -64,7 +66,15 @@ def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int) -> tu
             if out.finished:
                 ends[i] = now
     wall = time.perf_counter() - start
-    return summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall), tokens
+    return {**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+            "engine": step_counts(before, engine.stats())}, tokens
+
+
+def step_counts(before: dict, after: dict) -> dict:
+    """How the timed run's engine steps ran: by mode, and graph replays / compiled / eager."""
+    steps = {mode: n - before["steps"].get(mode, 0) for mode, n in after["steps"].items()}
+    return {"steps": steps, **{name: after[name] - before[name] for name in (
+        "graph_replays", "compiled_steps", "eager_steps", "preemptions")}}
 
 
 async def run_clients(target: str, texts: list[str], max_tokens: int) -> tuple[dict, list[list[int]]]:
@@ -72,6 +82,7 @@ async def run_clients(target: str, texts: list[str], max_tokens: int) -> tuple[d
 
     async with AsyncClient(target, max_message_bytes=16 << 20) as client:
         await client.generate(texts[0], max_tokens=4, temperature=0.0)  # warm-up
+        before = server_counts(await client.server_info())
         n = len(texts)
         firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
 
@@ -85,19 +96,43 @@ async def run_clients(target: str, texts: list[str], max_tokens: int) -> tuple[d
         start = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - start
-    return summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall), tokens
+        after = server_counts(await client.server_info())
+    return {**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+            "engine": step_counts(before, after)}, tokens
 
 
-def start_server(model: str, engine_args: list[str]) -> tuple[subprocess.Popen, str]:
+def server_counts(info) -> dict:
+    return {"steps": dict(info.steps), "graph_replays": info.graph_replays, "compiled_steps": info.compiled_steps,
+            "eager_steps": info.eager_steps, "preemptions": info.preemptions}
+
+
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def start_server(model: str, engine_args: list[str], log_path: str | None) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", model, "--port", "0", *engine_args]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    target = None
+    target, lines = None, []
+    log = open(log_path, "w") if log_path else None
     for line in server.stdout:
+        lines.append(line)
+        if log is not None:
+            log.write(line)
         if match := re.search(r"listening on (\S+)", line):
             target = match.group(1)
         if "ready: serving" in line:
+            if log is not None:  # the rest of its output, warnings from the engine process among them
+                threading.Thread(target=lambda: [log.write(rest) or log.flush() for rest in server.stdout],
+                                 daemon=True).start()
             return server, target
-    raise RuntimeError(f"encore serve exited with {server.wait()}")
+    raise RuntimeError(f"encore serve exited with {server.wait()}; its last output:\n{''.join(lines[-30:])}")
 
 
 def main() -> None:
@@ -109,13 +144,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json")
+    ap.add_argument("--server-log", help="write the server's output (and its engine's warnings) here")
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
     texts = prompts(args.clients, args.prompt_words)
     engine_kwargs = {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.clients}
     peer, peer_tokens = run_in_process(engine_kwargs, texts, args.max_tokens)
+    release_device_memory()  # the server's engine sizes its KV pool from the memory left free
     server, target = start_server(model, ["--device", args.device, "--dtype", args.dtype,
-                                          "--max-num-seqs", str(args.clients)])
+                                          "--max-num-seqs", str(args.clients)], args.server_log)
     try:
         served, served_tokens = asyncio.run(run_clients(target, texts, args.max_tokens))
     finally:
@@ -132,6 +169,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['path']:26} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
               f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.2f}")
+    for r in rows:
+        print(f"{r['path']:26} engine steps {r['engine']}")
     print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
           f"throughput x{overhead['throughput_ratio']:.3f}")
     if args.json:

@@ -1,10 +1,13 @@
 """The server's handle on the engine process: starts it, sends it commands, routes its outputs.
 
 The process is started with the "spawn" context (a fresh interpreter: no forked CUDA or gRPC
-state). A reader thread blocks on the output queue and hands each message to the event loop with
-``call_soon_threadsafe``, where it is routed to the ``RequestStream`` it belongs to — one wake-up
-per engine step, not per token. The same thread notices when the process has died; every stream
-in flight then fails with INTERNAL and ``failure`` says why, so the server can report NOT_SERVING.
+state). Commands and outputs travel over two pipes (``message_pipe``), both served by the event
+loop itself: a command is written as it is sent, or later when the pipe can take it
+(``loop.add_writer``); the output pipe is read when readable (``loop.add_reader``) and each message
+is routed to the ``RequestStream`` it belongs to — one wake-up per engine step, not per token, and
+no thread between the pipe and the loop. The process's sentinel is watched the same way: when it
+exits, every stream in flight fails with INTERNAL and ``failure`` says why, so the server can
+report NOT_SERVING.
 
 Each submission gets an engine request id of its own (``"<n>:<request_id>"``): a client may reuse
 its request_id as soon as its stream has ended, while the engine may not yet have processed the
@@ -17,14 +20,13 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import queue
-import threading
 from collections.abc import Callable
 
 import grpc
 
 from encore.engine import Engine, SamplingParams
 from encore.server.engine_worker import run_engine
+from encore.server.message_pipe import MessageReader, MessageWriter
 from encore.server.messages import (
     Abort, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
 )
@@ -32,7 +34,6 @@ from encore.server.request_stream import RequestStream
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.2  # the reader's check for a dead process while no output arrives
 _JOIN_S = 10.0
 
 
@@ -40,21 +41,15 @@ class EngineStartError(RuntimeError):
     pass
 
 
-class _Died:
-    """Posted by the reader thread once the process has exited."""
-
-    def __init__(self, exitcode: int | None) -> None:
-        self.exitcode = exitcode
-
-
 class EngineProcess:
     def __init__(self, engine_kwargs: dict, engine_factory: Callable[..., Engine] = Engine) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
-        # If the process dies with commands unread, exiting must not wait to flush them.
-        self._inbox.cancel_join_thread()
-        self._process = ctx.Process(target=run_engine, args=(engine_kwargs, self._inbox, self._outbox, engine_factory),
+        command_end, command_writer = ctx.Pipe(duplex=False)
+        output_reader, output_end = ctx.Pipe(duplex=False)
+        self._commands = MessageWriter(command_writer)
+        self._outputs = MessageReader(output_reader)
+        self._child_ends = (command_end, output_end)  # closed here once the process has its copies
+        self._process = ctx.Process(target=run_engine, args=(engine_kwargs, command_end, output_end, engine_factory),
                                     name="encore-engine", daemon=True)
         self.streams: dict[str, RequestStream] = {}  # in flight, by the client's request id
         self._routes: dict[str, RequestStream] = {}  # the same, by engine request id
@@ -67,6 +62,7 @@ class EngineProcess:
         self._on_progress: Callable[[str], None] = lambda message: None
         self._on_death: Callable[[str], None] = lambda failure: None
         self._started: asyncio.Future[EngineInfo] | None = None
+        self._exited: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -83,20 +79,24 @@ class EngineProcess:
         event loop) if it dies later. Raises EngineStartError if it cannot start."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
+        self._exited = asyncio.Event()
         self._on_progress, self._on_death = on_progress, on_death
         self._process.start()
-        threading.Thread(target=self._read, name="encore-engine-reader", daemon=True).start()
+        for end in self._child_ends:  # else the pipes would not report the process's end
+            end.close()
+        self._loop.add_reader(self._outputs.fileno(), self._read)
+        self._loop.add_reader(self._process.sentinel, self._exit)
         return await self._started
 
     def submit(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams) -> None:
         stream.engine_id = f"{next(self._submissions)}:{stream.request_id}"
         self.streams[stream.request_id] = self._routes[stream.engine_id] = stream
-        self._inbox.put(Submit(stream.engine_id, prompt_token_ids, params, stream.arrival))
+        self._send(Submit(stream.engine_id, prompt_token_ids, params, stream.arrival))
 
     def abort(self, stream: RequestStream) -> None:
         """Aborts in the engine; the stream ends with finish reason "abort" when the engine says so."""
         if self.failure is None:
-            self._inbox.put(Abort(stream.engine_id))
+            self._send(Abort(stream.engine_id))
 
     def cancel(self, stream: RequestStream) -> None:
         """The client is gone: forget the stream now and abort in the engine, freeing its pages."""
@@ -110,34 +110,41 @@ class EngineProcess:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._process.is_alive():
-            self._inbox.put(Shutdown())
-            await asyncio.to_thread(self._process.join, _JOIN_S)
-        if self._process.is_alive():
+        if self._exited is None or self._exited.is_set():
+            return  # never started, or already gone
+        self._send(Shutdown())
+        try:
+            await asyncio.wait_for(self._exited.wait(), _JOIN_S)
+        except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11 on
             log.warning("engine process %s did not stop in %.0f s; killing it", self._process.pid, _JOIN_S)
             self._process.kill()
-            await asyncio.to_thread(self._process.join)
-
-    # ---- reader thread ---------------------------------------------------------------------
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._outbox.get(timeout=_POLL_S)
-            except queue.Empty:
-                if self._process.is_alive():
-                    continue
-                message = _Died(self._process.exitcode)
-            except (EOFError, OSError):
-                message = _Died(self._process.exitcode)
-            try:
-                self._loop.call_soon_threadsafe(self._handle, message)
-            except RuntimeError:
-                return  # the event loop is closed: the server has gone
-            if isinstance(message, _Died):
-                return
+            await self._exited.wait()
 
     # ---- on the event loop -----------------------------------------------------------------
+
+    def _send(self, command: Submit | Abort | Shutdown) -> None:
+        if not self._commands.send(command):
+            self._loop.add_writer(self._commands.fileno(), self._flush_commands)
+
+    def _flush_commands(self) -> None:
+        if self._commands.flush():
+            self._loop.remove_writer(self._commands.fileno())
+
+    def _read(self) -> None:
+        for message in self._outputs.read():
+            self._handle(message)
+        if self._outputs.eof:
+            self._loop.remove_reader(self._outputs.fileno())
+
+    def _exit(self) -> None:
+        """The process has exited: reads what it wrote last, then reports its death."""
+        self._loop.remove_reader(self._process.sentinel)
+        self._loop.remove_writer(self._commands.fileno())
+        self._read()
+        self._loop.remove_reader(self._outputs.fileno())
+        self._process.join()  # at once: it has exited
+        self._died(self._process.exitcode)
+        self._exited.set()
 
     def _handle(self, message) -> None:
         if isinstance(message, StepResult):
@@ -166,8 +173,6 @@ class EngineProcess:
                 self._started.set_result(message.info)
         elif isinstance(message, Fatal):
             self._fatal = message.message
-        elif isinstance(message, _Died):
-            self._died(message.exitcode)
 
     def _fail(self, engine_id: str, code: grpc.StatusCode, message: str) -> None:
         stream = self._routes.get(engine_id)

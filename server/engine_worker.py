@@ -2,9 +2,10 @@
 
 Commands arrive on ``inbox`` and are applied between steps: the loop waits for one only while the
 engine is idle, and otherwise takes whatever has arrived without blocking, so request handling
-never stalls a step. Each step's outputs leave on ``outbox`` as one ``StepResult``;
-``multiprocessing.Queue.put`` hands the pickling and the pipe write to a feeder thread, so a slow
-reader in the server never blocks the loop either.
+never stalls a step. Each step's outputs leave on ``outbox`` as one ``StepResult``, pickled and
+written by the loop itself without blocking (``message_pipe``): the engine goes on stepping while
+earlier outputs are still in flight, and a slow reader in the server never blocks it. The server
+process closing its end of the command pipe (it exited) ends the loop.
 
 The engine runs with ``detokenize=False``: the server process tokenizes prompts, detokenizes
 the streamed ids and matches stop strings (see ``request_stream``), which keeps that Python work
@@ -15,57 +16,61 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import queue
+import select
 import signal
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 from encore.engine import Engine, RequestOutput, SamplingParams
 from encore.engine.request import RequestStatus
+from encore.server.message_pipe import MessageReader, MessageWriter
 from encore.server.messages import (
     Abort, Delta, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
 )
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5  # how often an idle engine checks that the server process is still alive
+_DRAIN_S = 10.0  # at exit, how long the last outputs may wait for the server to read them
 
 
-def run_engine(engine_kwargs: dict, inbox: multiprocessing.Queue, outbox: multiprocessing.Queue,
+def run_engine(engine_kwargs: dict, commands: Connection, outputs: Connection,
                engine_factory: Callable[..., Engine] = Engine) -> None:
-    """Entry point of the spawned engine process."""
+    """Entry point of the spawned engine process; ``commands`` and ``outputs`` are its ends of the pipes."""
     # Ctrl-C reaches the whole process group; the server shuts the engine down with a Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="encore engine: %(levelname)s %(message)s")
+    outbox = MessageWriter(outputs)
     try:
-        outbox.put(Progress(f"loading {engine_kwargs.get('model')} and preparing its graphs"))
+        _run(engine_kwargs, MessageReader(commands), outbox, engine_factory)
+    finally:
+        outbox.drain(_DRAIN_S)  # a Fatal must reach the server before the process is gone
+
+
+def _run(engine_kwargs: dict, inbox: MessageReader, outbox: MessageWriter,
+         engine_factory: Callable[..., Engine]) -> None:
+    """Builds and warms up the engine, then steps it; a failure goes to the server as ``Fatal``."""
+    try:
+        outbox.send(Progress(f"loading {engine_kwargs.get('model')} and preparing its graphs"))
         def on_graph_key(done: int, total: int, report) -> None:
-            outbox.put(Progress(f"graph key {done}/{total} {report.key}: compiled in {report.compile_s:.1f}s, "
-                                f"captured in {report.capture_s:.2f}s"))
+            outbox.send(Progress(f"graph key {done}/{total} {report.key}: compiled in {report.compile_s:.1f}s, "
+                                 f"captured in {report.capture_s:.2f}s"))
 
         # The server detokenizes (module docstring).
         engine = engine_factory(**engine_kwargs, detokenize=False, on_graph_key=on_graph_key)
-        outbox.put(Progress("warming up (one prefill and one decode step)"))
+        outbox.send(Progress("warming up (one prefill and one decode step)"))
         engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     except Exception as exc:
         log.exception("engine start failed")
-        outbox.put(Fatal(f"engine start failed: {type(exc).__name__}: {exc}"))
+        outbox.send(Fatal(f"engine start failed: {type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
-    outbox.put(Ready(engine_info(engine), engine_stats(engine)))
+    outbox.send(Ready(engine_info(engine), engine_stats(engine)))
     try:
         EngineLoop(engine, inbox, outbox).run()
     except Exception as exc:
         log.exception("engine loop failed")
-        outbox.put(Fatal(f"{type(exc).__name__}: {exc}"))
+        outbox.send(Fatal(f"{type(exc).__name__}: {exc}"))
         raise
-    if orphaned():
-        outbox.cancel_join_thread()  # its pipe may be full and never read: exit without flushing it
-
-
-def orphaned() -> bool:
-    parent = multiprocessing.parent_process()
-    return parent is not None and not parent.is_alive()
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -96,7 +101,7 @@ def engine_stats(engine: Engine) -> EngineStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, inbox: multiprocessing.Queue, outbox: multiprocessing.Queue) -> None:
+    def __init__(self, engine: Engine, inbox: MessageReader, outbox: MessageWriter) -> None:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -113,24 +118,29 @@ class EngineLoop:
                 log.exception("engine step failed")
                 outputs = self._abort_all(f"{type(exc).__name__}: {exc}")
             self._note_scheduled()
-            self.outbox.put(StepResult([self._delta(o) for o in outputs], engine_stats(self.engine)))
+            self.outbox.send(StepResult([self._delta(o) for o in outputs], engine_stats(self.engine)))
 
     def _take_commands(self, block: bool) -> bool:
-        """Applies the commands that have arrived, waiting for one if ``block``. False on Shutdown,
-        or once the server process is gone (nobody would read the outputs)."""
-        while True:
-            try:
-                command = self.inbox.get(timeout=_IDLE_POLL_S) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                if orphaned():
-                    return False
-                if not block:
-                    return True
-                continue
-            block = False
+        """Applies the commands that have arrived, first waiting for one if ``block``. False on
+        Shutdown, or once the server process is gone (nobody would read the outputs)."""
+        if block:
+            self._wait_for_commands()
+        for command in self.inbox.read():
             if isinstance(command, Shutdown):
                 return False
             self._apply(command)
+        return not self.inbox.eof
+
+    def _wait_for_commands(self) -> None:
+        """Sleeps until the command pipe is readable (a command, or the server gone), writing the
+        outputs the output pipe could not take yet as it takes them."""
+        while True:
+            writes = [self.outbox] if self.outbox.pending else []
+            readable, writable, _ = select.select([self.inbox], writes, [])
+            if writable:
+                self.outbox.flush()
+            if readable:
+                return
 
     def _apply(self, command: Submit | Abort) -> None:
         if isinstance(command, Abort):
@@ -141,7 +151,7 @@ class EngineLoop:
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
         except ValueError as exc:
-            self.outbox.put(Rejected(command.request_id, str(exc)))
+            self.outbox.send(Rejected(command.request_id, str(exc)))
             return
         self.unscheduled[command.request_id] = command.arrival
 
@@ -151,7 +161,7 @@ class EngineLoop:
         request_ids = list(self.engine.requests)
         for request_id in request_ids:
             self.engine.abort(request_id)
-        self.outbox.put(StepFailed(request_ids, message))
+        self.outbox.send(StepFailed(request_ids, message))
         return self.engine.step()
 
     def _note_scheduled(self) -> None:

@@ -73,3 +73,18 @@ def test_engine_stop_strings_and_stop_token_ids(v3_dir, tokenizer):
 def test_corpus_round_trip(tokenizer):
     sample = TOKENIZER_TEXT[:300]
     assert stream(tokenizer, tokenizer.encode(sample))[0] == sample
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_streamed_text_follows_the_tokenizers_clean_up_setting(tokenizer, clean_up):
+    """The Rust backend is decoded directly only while ``clean_up_tokenization_spaces`` is off (the
+    clean-up is the tokenizer's Python, which transformers skips for BPE models anyway); either way
+    the stream is the tokenizer's own decode, spaces before punctuation included."""
+    text = "Hello , world ! It 's a test : do n't stop ."
+    ids = tokenizer.encode(text)
+    original = tokenizer.clean_up_tokenization_spaces
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    try:
+        assert stream(tokenizer, ids)[0] == tokenizer.decode(ids, skip_special_tokens=True) == text
+    finally:
+        tokenizer.clean_up_tokenization_spaces = original

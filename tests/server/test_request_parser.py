@@ -10,7 +10,7 @@ import pytest
 from encore.engine.engine import load_tokenizer
 from encore.protos.encore.v1 import generate_pb2 as pb
 from encore.server.client import build_request
-from encore.server.request_parser import RequestError, RequestParser
+from encore.server.request_parser import INLINE_TOKENIZE_CHARS, RequestError, RequestParser
 
 VOCAB, MAX_LEN = 320, 64
 
@@ -46,6 +46,12 @@ def test_text_is_tokenized_like_the_engine_does(parser, reference):
     parsed = parse(parser, build_request("def fibonacci(n):", stop=["\n"]))
     assert parsed.prompt_token_ids == reference.tokenizer.encode("def fibonacci(n):")
     assert parsed.params.stop == ("\n",)
+
+
+def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, reference):
+    text = "x" * (INLINE_TOKENIZE_CHARS + 1)  # past the inline limit: tokenized on the worker thread
+    n = len(reference.tokenizer.encode(text))
+    assert error(parser, build_request(text)).message.startswith(f"the prompt has {n} tokens; max_model_len is")
 
 
 @pytest.mark.parametrize(("options", "field"), [

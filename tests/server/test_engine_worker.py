@@ -1,0 +1,61 @@
+"""EngineLoop with a stand-in engine, without a process: it steps on while nobody reads its outputs,
+and each step's outputs arrive as one message with every delta, in order."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+from encore.engine import RequestOutput
+from encore.server.engine_worker import EngineLoop
+from encore.server.message_pipe import MessageReader, MessageWriter
+from encore.server.messages import Shutdown, StepResult
+
+STEPS, ROWS, TOKENS = 20, 8, 500  # ~200 kB of outputs: several times a pipe's buffer
+
+
+class _Stepper:
+    """Stands in for Engine: ROWS requests that get TOKENS tokens a step and finish at step STEPS,
+    when it sends the loop a Shutdown."""
+
+    def __init__(self, commands: MessageWriter) -> None:
+        self.commands = commands
+        self.requests = {}
+        self.done = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.done < STEPS
+
+    def step(self) -> list[RequestOutput]:
+        self.done += 1
+        finished = self.done == STEPS
+        if finished:
+            self.commands.send(Shutdown())
+        return [RequestOutput(f"r{row}", [], [], "", [self.done * 1000 + row] * TOKENS, "", finished,
+                              "length" if finished else None) for row in range(ROWS)]
+
+    def stats(self) -> dict:
+        return {"steps": {"DECODE": self.done}, "kv_pages_free": 1, "kv_pages_total": 2, "running": ROWS,
+                "waiting": 0, "preemptions": 0}
+
+
+def test_the_loop_steps_on_while_its_outputs_wait_and_every_delta_arrives_in_order():
+    command_reader, command_writer = multiprocessing.Pipe(duplex=False)
+    output_reader, output_writer = multiprocessing.Pipe(duplex=False)
+    engine = _Stepper(MessageWriter(command_writer))
+    loop = EngineLoop(engine, MessageReader(command_reader), MessageWriter(output_writer))
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive() and engine.done == STEPS  # it never waited for a reader
+    assert loop.outbox.pending  # what the pipe could not take waits in the writer
+
+    outputs, results = MessageReader(output_reader), []
+    while len(results) < STEPS:
+        results += outputs.read()
+        loop.outbox.flush()
+    assert all(isinstance(r, StepResult) for r in results)
+    assert [[(d.request_id, d.token_ids, d.finish_reason) for d in r.deltas] for r in results] == [
+        [(f"r{row}", [step * 1000 + row] * TOKENS, "length" if step == STEPS else None) for row in range(ROWS)]
+        for step in range(1, STEPS + 1)]
+    assert [r.stats.steps["DECODE"] for r in results] == list(range(1, STEPS + 1))
