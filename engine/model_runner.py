@@ -94,11 +94,12 @@ class ModelRunner:
         spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
         row_tokens = min(max_model_len + spec_tokens, (self.num_pages - 1) * config.page_size)
         self.max_pages_per_row = -(-row_tokens // config.page_size)
-        self.graphs = self._graph_runner(config) if config.use_compile or config.use_cuda_graphs else None
-        self.graph_cache = GraphCache.for_engine(config, cfg) if self.graphs is not None else None
+        cache = GraphCache.for_engine(config, cfg) if config.use_compile or config.use_cuda_graphs else None
+        self.graphs = self._graph_runner(config, cache) if cache is not None else None
+        self.graph_cache = cache if self.graphs is not None else None
         self.eager_steps = 0
 
-    def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+    def _graph_runner(self, config: EngineConfig, cache: GraphCache) -> GraphRunner | None:
         keys = tuple(k for k in keys_for(config) if k.mode in self.backend.graph_modes)
         if not keys:
             log.warning("no graph key fits max_num_batched_tokens=%d / max_num_seqs=%d and backend %s's graph "
@@ -112,7 +113,8 @@ class ModelRunner:
             colocate_pre_attention_weights(self.model)
             # One compile worker on the CPU: a worker pool's start-up outweighs what it parallelizes
             # for graphs this size, and it competes with the model's own threads.
-            compiled = CompiledModel(self.model, passes_for, compile_threads=1 if self.device.type == "cpu" else None)
+            compiled = CompiledModel(self.model, passes_for, compile_threads=1 if self.device.type == "cpu" else None,
+                                     artifacts=cache.precompiled_dir)
         buffers = StepBuffers(max(k.num_tokens for k in keys), max(k.bs for k in keys), self.max_pages_per_row,
                               config.page_size, self.device, full_page_table=config.use_cuda_graphs)
         return GraphRunner(self.model, self.backend, self.context, keys, buffers, compiled, config.use_cuda_graphs)
@@ -181,6 +183,7 @@ class ModelRunner:
             "attention_fallback_steps": self.backend.fallback_steps,
             "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
             "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
+            "loaded_graphs": compiled.loaded_graphs if compiled is not None else 0,
             "recompiles": compiled.recompiles if compiled is not None else 0,
         }
 

@@ -5,11 +5,13 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
     <identity hash>/manifest.json    keys with first-call / capture times, graphs compiled and graph-pool
                                      growth, and a summary per graph family
     <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels)
+    <identity hash>/precompiled/     one precompiled graph per family (graphs/compiler.py)
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
-shape a graph (dtype, page size, backend, the keys), and the encore / torch / triton / Python versions
-and GPU. A different identity is a different directory. Within one, a manifest that cannot be read,
+shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions and
+GPU, and a digest of encore's own sources: a precompiled graph holds dynamo's bytecode of the model
+and the passes' output, so the cache must not outlive an edit to either. A different identity is a different directory. Within one, a manifest that cannot be read,
 names another identity, or points at artifacts that are gone is stale or corrupt: the directory is
 deleted with a warning and rebuilt, never used. Inductor keys its own entries by graph and version
 too, so the manifest check guards encore's records, not the safety of a cache hit.
@@ -37,7 +39,7 @@ from encore.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = 2  # 2: one compiled graph per family (graphs/compiler.py), counted per key
+MANIFEST_FORMAT = 3  # 2: one compiled graph per family (graphs/compiler.py), counted per key; 3: and loaded
 
 
 def default_cache_root() -> Path:
@@ -55,6 +57,19 @@ def _version(package: str) -> str:
         return "absent"
 
 
+def source_digest() -> str:
+    """A digest of every Python source of encore's packages that can shape a compiled graph."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in ("models", "backends", "passes", "graphs", "engine"):
+        root = Path(importlib.import_module(f"encore.{package}").__path__[0])
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{package}/{path.relative_to(root)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
     keys = keys_for(config)
     device = torch.device(config.device)
@@ -69,6 +84,7 @@ def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
         "keys": [[k.num_extends, k.q_len_per_req, k.bs, k.num_tokens] for k in keys],
         "versions": {"encore": _version("encore"), "torch": torch.__version__, "triton": _version("triton"),
                      "python": platform.python_version()},
+        "encore_source": source_digest(),
     }
 
 
@@ -77,15 +93,18 @@ def _digest(ident: dict) -> str:
 
 
 def _families(reports: list) -> dict[str, dict]:
-    """Per family (mode): its keys, the graphs they compiled, and their first-call seconds, those of
-    the keys that compiled a graph apart from those that only ran it."""
+    """Per family (mode): its keys, the graphs they compiled or loaded precompiled, and their
+    first-call seconds, those of the keys that compiled (or loaded) a graph apart from those that
+    only ran it."""
     families: dict[str, dict] = {}
     for r in reports:
         family = families.setdefault(r.key.mode.value,
-                                     {"keys": 0, "graphs_compiled": 0, "compile_s": 0.0, "run_s": 0.0})
+                                     {"keys": 0, "graphs_compiled": 0, "graphs_loaded": 0, "compile_s": 0.0,
+                                      "run_s": 0.0})
         family["keys"] += 1
         family["graphs_compiled"] += r.graphs_compiled
-        family["compile_s" if r.graphs_compiled else "run_s"] += r.compile_s
+        family["graphs_loaded"] += r.graphs_loaded
+        family["compile_s" if r.graphs_compiled or r.graphs_loaded else "run_s"] += r.compile_s
     for family in families.values():
         family["compile_s"], family["run_s"] = round(family["compile_s"], 3), round(family["run_s"], 3)
     return families
@@ -109,6 +128,10 @@ class GraphCache:
     @property
     def inductor_dir(self) -> Path:
         return self.root / "inductor"
+
+    @property
+    def precompiled_dir(self) -> Path:
+        return self.root / "precompiled"
 
     def read_manifest(self) -> dict | None:
         """The manifest if it is present and sound; None if absent. A stale or corrupt cache is
@@ -166,7 +189,8 @@ class GraphCache:
             "graph_pool_bytes": sum(r.pool_bytes for r in reports),
             "keys": [{"mode": r.key.mode.value, "num_extends": r.key.num_extends,
                       "q_len_per_req": r.key.q_len_per_req, "bs": r.key.bs, "num_tokens": r.key.num_tokens,
-                      "graphs_compiled": r.graphs_compiled, "compile_s": round(r.compile_s, 3),
+                      "graphs_compiled": r.graphs_compiled, "graphs_loaded": r.graphs_loaded,
+                      "compile_s": round(r.compile_s, 3),
                       "capture_s": round(r.capture_s, 3), "pool_bytes": r.pool_bytes} for r in reports],
             "families": _families(reports),
         }

@@ -33,6 +33,18 @@ keys on the graph after the passes, so what the passes did is part of every cach
 ``CustomGraphPass.uuid``. A warm start reads Inductor's (and AOTAutograd's) work back from that
 cache, but dynamo still traces, and the backend still re-traces, each family once per process.
 
+Precompiled families: with an artifact directory (the graph cache's, graphs/cache.py) a family is
+compiled through dynamo's ahead-of-time path (``torch.compile(...).aot_compile``): the same
+tracing, passes and Inductor, but the result — dynamo's guards and bytecode together with
+Inductor's output — is saved as one file per family, and a later process loads that file instead of
+tracing anything. On the DeepSeek-V2-Lite shape the trace and the re-trace are most of a warm
+start's compile time (27 layers, three families), which Inductor's own caches cannot skip. The
+loaded function checks its guards on every call; a call they reject runs the family's ordinary
+``torch.compile`` entry, which compiles (counted like a recompile). An artifact that does not load
+is deleted with a warning and compiled again. What it was compiled from must not change under it:
+the cache's identity covers the torch version and a digest of encore's own sources, so any edit to
+the model, the passes or the ops starts a new cache.
+
 Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
 code object, so families sharing one entry function would evict each other past the limit; with one
 each, a family compiles once and any later recompile (a guard that failed) is counted per family.
@@ -49,6 +61,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -78,10 +91,12 @@ class GraphPass(Protocol):
 
 @dataclass(slots=True)
 class CompileRecord:
-    """What compiling one family cost. ``compiles`` > 1 means dynamo recompiled it (a guard failed);
-    ``keys`` are the graph keys that have run on it."""
+    """What compiling one family cost. ``compiles`` counts the graphs the backend compiled, ``loaded``
+    whether a precompiled one was read back instead (module docstring); more than one graph in all
+    means a guard failed and dynamo recompiled. ``keys`` are the graph keys that have run on it."""
 
     compiles: int = 0
+    loaded: bool = False
     seconds: float = 0.0
     matches: dict[str, int] = field(default_factory=dict)
     keys: set[GraphKey] = field(default_factory=set)
@@ -103,7 +118,7 @@ class EncoreBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
         self.record.compiles += 1
-        if self.record.compiles > 1:
+        if self.record.compiles + self.record.loaded > 1:
             log.warning("%s graph is being recompiled (compile #%d): a dynamo guard failed", self.family.value,
                         self.record.compiles)
         if self.record.compiles > self.max_compiles:
@@ -192,31 +207,71 @@ def step_inputs(key: GraphKey, batch: ForwardBatch) -> tuple:
     return batch.input_ids, batch.positions, batch, extend_ids
 
 
-def compile_family(backend: Callable) -> Callable[[torch.nn.Module, GraphKey, ForwardBatch], torch.Tensor]:
-    """One family's compiled step: ``(model, key, batch) -> hidden [T, hidden]`` through ``backend``."""
-    compiled = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+class CompiledFamily:
+    """One family's compiled step: ``(model, key, batch) -> hidden [T, hidden]`` through ``backend``,
+    precompiled to (or loaded from) ``artifact`` when one is given and torch can (module docstring)."""
 
-    def step(model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
-        inputs = step_inputs(key, batch)
+    def __init__(self, backend: EncoreBackend, artifact: Path | None) -> None:
+        self.backend = backend
+        self.dynamo = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
+        self.artifact = artifact if hasattr(self.dynamo, "aot_compile") else None
+        self.precompiled: Callable | None = None
+
+    def __call__(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+        if self.artifact is not None and self.precompiled is None:
+            self.precompiled = self._load() or self._precompile(model, key, batch)
+        if self.precompiled is not None:
+            extend_ids = batch.input_ids[:key.num_extend_tokens] if key.mode is ForwardMode.MIXED else None
+            inputs = (model, batch.input_ids, batch.positions, batch, extend_ids)
+            if self.precompiled.guard_check(*inputs):
+                return self.precompiled(*inputs)
         with symbolic_sizes():
-            return compiled(model, *inputs)
+            return self.dynamo(model, *step_inputs(key, batch))
 
-    return step
+    def _load(self) -> Callable | None:
+        if not self.artifact.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            with self.artifact.open("rb") as f:
+                precompiled = torch.compiler.load_compiled_function(f)
+        except Exception as exc:  # noqa: BLE001 — any failure to deserialize means: rebuild, never use
+            log.warning("precompiled %s graph %s does not load (%s: %s): deleting it and compiling again",
+                        self.backend.family.value, self.artifact, type(exc).__name__, exc)
+            self.artifact.unlink(missing_ok=True)
+            return None
+        precompiled.disable_guard_check()  # __call__ checks them first, and falls back to dynamo
+        self.backend.record.loaded = True
+        self.backend.record.seconds += time.perf_counter() - start
+        return precompiled
+
+    def _precompile(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> Callable:
+        with symbolic_sizes():
+            precompiled = self.dynamo.aot_compile(((model, *step_inputs(key, batch)), {}))
+        self.artifact.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.artifact.with_suffix(".partial")
+        precompiled.save_compiled_function(str(partial))
+        partial.replace(self.artifact)  # atomic: a killed warm-up never leaves half an artifact
+        precompiled.disable_guard_check()
+        return precompiled
 
 
 class CompiledModel:
     """One compiled callable per family (``key.mode``), compiled on the family's first key.
 
-    ``passes_for(family)`` builds the family's pass list (passes are specialized by family)."""
+    ``passes_for(family)`` builds the family's pass list (passes are specialized by family). With
+    ``artifacts`` (a directory) and Inductor on, each family is precompiled there, or loaded from
+    there when an earlier process did it (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, passes_for: Callable[[ForwardMode], Sequence[GraphPass]],
-                 inductor: bool = True, compile_threads: int | None = None) -> None:
+                 inductor: bool = True, compile_threads: int | None = None, artifacts: Path | None = None) -> None:
         self.model = model
         self.passes_for = passes_for
         self.inductor = inductor
         self.compile_threads = compile_threads
+        self.artifacts = artifacts if inductor else None  # a graph run as is does not serialize
         self.records: dict[ForwardMode, CompileRecord] = {}
-        self._compiled: dict[ForwardMode, Callable] = {}
+        self._compiled: dict[ForwardMode, CompiledFamily] = {}
 
     def __call__(self, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
         """Runs ``batch`` (already padded to ``key``, bound in the step context) -> hidden [T, hidden]."""
@@ -225,7 +280,8 @@ class CompiledModel:
         if step is None:
             record = self.records[family] = CompileRecord()
             backend = EncoreBackend(family, self.passes_for(family), record, self.inductor, self.compile_threads)
-            step = self._compiled[family] = compile_family(backend)
+            artifact = self.artifacts / f"{family.value.lower()}.aot" if self.artifacts is not None else None
+            step = self._compiled[family] = CompiledFamily(backend, artifact)
         self.records[family].keys.add(key)
         return step(self.model, key, batch)
 
@@ -241,8 +297,13 @@ class CompiledModel:
         return sum(r.compiles for r in self.records.values())
 
     @property
+    def loaded_graphs(self) -> int:
+        """Families whose graph was read back precompiled instead of traced and compiled."""
+        return sum(r.loaded for r in self.records.values())
+
+    @property
     def recompiles(self) -> int:
-        return sum(max(r.compiles - 1, 0) for r in self.records.values())
+        return sum(max(r.compiles + r.loaded - 1, 0) for r in self.records.values())
 
 
 class CompiledDrafter:

@@ -34,13 +34,15 @@ log = logging.getLogger(__name__)
 class KeyReport:
     """What preparing one key took: compile (first call, warm-up included) and capture seconds, the
     graph pool's growth in bytes during the capture (0 without CUDA graphs), and how many graphs its
-    first call compiled (1 on a family's first key, 0 on the rest, whose compile_s is a plain run)."""
+    first call compiled or loaded precompiled (one or the other on a family's first key, neither on
+    the rest, whose compile_s is a plain run)."""
 
     key: GraphKey
     compile_s: float
     capture_s: float
     pool_bytes: int
     graphs_compiled: int = 0
+    graphs_loaded: int = 0
 
 
 @dataclass(slots=True)
@@ -86,23 +88,26 @@ class GraphRunner:
             static = self.buffers.fill(key, None)
             with self.context.bind(static):
                 self.backend.plan(static, static=True)
-                start, graphs = time.perf_counter(), self._graphs_compiled()
+                start, before = time.perf_counter(), self._graph_counts()
                 if self.cuda_graphs:
                     warm_up_on_side_stream(lambda: self._call(key, static))
                 else:
                     self._call(key, static)
-                compile_s, graphs = time.perf_counter() - start, self._graphs_compiled() - graphs
+                compile_s, after = time.perf_counter() - start, self._graph_counts()
                 capture_s, pool_bytes = self._capture(key, static) if self.cuda_graphs else (0.0, 0)
-            report = KeyReport(key, compile_s, capture_s, pool_bytes, graphs)
+            report = KeyReport(key, compile_s, capture_s, pool_bytes, after[0] - before[0], after[1] - before[1])
             log.info("graph key %d/%d %s: %s %.1fs, capture %.2fs, pool +%.1f MiB", index + 1, len(self.keys), key,
-                     "compile" if graphs else "run", compile_s, capture_s, pool_bytes / 2**20)
+                     first_call(report), compile_s, capture_s, pool_bytes / 2**20)
             reports.append(report)
             if on_key is not None:
                 on_key(index, report)
         return reports
 
-    def _graphs_compiled(self) -> int:
-        return self.compiled.compiled_graphs if self.compiled is not None else 0
+    def _graph_counts(self) -> tuple[int, int]:
+        """(graphs compiled, graphs loaded precompiled) so far."""
+        if self.compiled is None:
+            return 0, 0
+        return self.compiled.compiled_graphs, self.compiled.loaded_graphs
 
     def _capture(self, key: GraphKey, static: ForwardBatch) -> tuple[float, int]:
         start, before = time.perf_counter(), reserved_after_sync()
@@ -135,6 +140,11 @@ class GraphRunner:
             hidden = self._call(key, padded)
         self.compiled_steps += 1
         return hidden, key
+
+
+def first_call(report: KeyReport) -> str:
+    """What a key's first call did: compiled its family's graph, loaded it precompiled, or only ran it."""
+    return "compile" if report.graphs_compiled else "load" if report.graphs_loaded else "run"
 
 
 def warm_up_on_side_stream(fn: Callable[[], object]) -> None:

@@ -24,27 +24,27 @@ from typing import TextIO
 from encore.engine.config import EngineConfig
 from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
 from encore.graphs.keys import GraphKey
-from encore.graphs.runner import KeyReport
+from encore.graphs.runner import KeyReport, first_call
 
 
 class Progress:
-    """``key N/M <key> compile|run Xs capture Ys | elapsed | ETA``, one line per key (redrawn in place
-    on a terminal), for ``keys`` in the order they are prepared. The ETA charges each family not yet
-    compiled the mean compile so far and each other remaining key the mean of the keys that only ran
-    (the first key's cost until one has)."""
+    """``key N/M <key> compile|load|run Xs capture Ys | elapsed | ETA``, one line per key (redrawn in
+    place on a terminal), for ``keys`` in the order they are prepared. The ETA charges each family not
+    yet compiled (or loaded) the mean of the families' first keys so far and each other remaining key
+    the mean of the keys that only ran (the first key's cost until one has)."""
 
     def __init__(self, keys: tuple[GraphKey, ...], out: TextIO) -> None:
         self.keys = keys
         self.out = out
         self.start = time.perf_counter()
         self.tty = out.isatty()
-        self.compile_s: list[float] = []  # first-call + capture seconds of keys that compiled a graph
+        self.compile_s: list[float] = []  # first-call + capture seconds of keys that compiled or loaded a graph
         self.run_s: list[float] = []  # the same, of keys that only ran their family's graph
 
     def __call__(self, index: int, report: KeyReport) -> None:
         done, total = index + 1, len(self.keys)
         elapsed = time.perf_counter() - self.start
-        (self.compile_s if report.graphs_compiled else self.run_s).append(report.compile_s + report.capture_s)
+        (self.compile_s if report.graphs_compiled or report.graphs_loaded else self.run_s).append(report.compile_s + report.capture_s)
         compiled = {k.mode for k in self.keys[:done]}
         new_families = len({k.mode for k in self.keys[done:]} - compiled)
         mean_compile = sum(self.compile_s) / len(self.compile_s) if self.compile_s else 0.0
@@ -53,7 +53,7 @@ class Progress:
         width = 24
         filled = width * done // total
         line = (f"[{'#' * filled}{'.' * (width - filled)}] key {done}/{total} {report.key} "
-                f"{'compile' if report.graphs_compiled else 'run'} {report.compile_s:.1f}s "
+                f"{first_call(report)} {report.compile_s:.1f}s "
                 f"capture {report.capture_s:.2f}s | elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
         end = "\n" if not self.tty or done == total else ""
         self.out.write(("\r\x1b[2K" if self.tty else "") + line + end)
@@ -115,15 +115,16 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
         versions = ", ".join(f"{k} {v}" for k, v in ident.get("versions", {}).items())
         out.write(f"{path.parent.name}  {arch}  {ident.get('device')}  dtype={ident.get('dtype')}  "
                   f"created {manifest.get('created')}  ({versions})\n")
-        out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'graphs':>6} {'first_s':>8} "
-                  f"{'capture_s':>9} {'pool_MiB':>8}\n")
+        out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'graphs':>6} {'loaded':>6} "
+                  f"{'first_s':>8} {'capture_s':>9} {'pool_MiB':>8}\n")
         for k in keys:
             out.write(f"  {k['mode']:<7} {k['num_extends']:>7} {k['q_len_per_req']:>5} {k['bs']:>5} "
-                      f"{k['num_tokens']:>6} {k['graphs_compiled']:>6} {k['compile_s']:>8.2f} {k['capture_s']:>9.3f} "
-                      f"{k['pool_bytes'] / 2**20:>8.1f}\n")
+                      f"{k['num_tokens']:>6} {k['graphs_compiled']:>6} {k['graphs_loaded']:>6} {k['compile_s']:>8.2f} "
+                      f"{k['capture_s']:>9.3f} {k['pool_bytes'] / 2**20:>8.1f}\n")
         for mode, family in families.items():
             out.write(f"  family {mode}: {family['keys']} keys, {family['graphs_compiled']} graph(s) compiled, "
-                      f"{family['compile_s']:.1f}s to compile, {family['run_s']:.1f}s to run the other keys\n")
+                      f"{family['graphs_loaded']} loaded precompiled, {family['compile_s']:.1f}s to compile or "
+                      f"load, {family['run_s']:.1f}s to run the other keys\n")
         out.write(f"  {len(keys)} keys, {manifest.get('total_s', 0):.1f}s, graph pool "
                   f"{manifest.get('graph_pool_bytes', 0) / 2**20:.1f} MiB\n")
     if not manifests:

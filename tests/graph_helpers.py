@@ -14,7 +14,7 @@ from encore.engine import Engine, SamplingParams
 from encore.engine.request import Request
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.step import build_forward_batch
-from encore.graphs.compiler import aten_graph, compile_family
+from encore.graphs.compiler import CompiledFamily, aten_graph
 from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers, padded_index
 from workloads import run_staggered
@@ -143,7 +143,7 @@ def run_pipeline(engine: Engine, batch: ForwardBatch, key: GraphKey, passes: lis
     buffers = StepBuffers(key.num_tokens, key.bs, engine.runner.max_pages_per_row, batch.page_size,
                           engine.runner.device, full_page_table=False)
     padded = buffers.fill(key, batch)
-    step = compile_family(backend)
+    step = CompiledFamily(backend, None)
     real = padded_index(batch, key, torch.arange(batch.num_tokens, device=batch.input_ids.device))
     with torch.inference_mode():
         with engine.runner.context.bind(padded):

@@ -41,7 +41,7 @@ def test_list_prints_each_key(v3_warm_cache):
     assert "DeepseekV3ForCausalLM" in text and "3 keys" in text
     lines = [line.strip() for line in text.splitlines()]
     assert sum(line.startswith(("MIXED ", "EXTEND ", "DECODE ")) for line in lines) == 3
-    assert sum(line.startswith("family ") and ": 1 keys, 1 graph(s) compiled" in line for line in lines) == 3
+    assert sum(line.startswith("family ") and ": 1 keys, 1 graph(s) compiled, 0 loaded" in line for line in lines) == 3
 
 
 @pytest.fixture
@@ -58,16 +58,18 @@ def small_cache(v3_dir, tmp_path):
 def test_sound_cache_is_used(small_cache):
     manifest = small_cache.read_manifest()
     assert manifest["keys"][0]["bs"] == 4
-    assert manifest["families"] == {"DECODE": {"keys": 1, "graphs_compiled": 0, "compile_s": 0.0, "run_s": 1.5}}
+    assert manifest["families"] == {"DECODE": {"keys": 1, "graphs_compiled": 0, "graphs_loaded": 0, "compile_s": 0.0,
+                                               "run_s": 1.5}}
 
 
-def test_family_summary_splits_compile_from_runs(small_cache):
+def test_family_summary_splits_compile_or_load_from_runs(small_cache):
     reports = [KeyReport(GraphKey(0, 1, 8, 8), 9.0, 0.5, 0, graphs_compiled=1),
                KeyReport(GraphKey(0, 1, 4, 4), 0.25, 0.5, 0), KeyReport(GraphKey(0, 1, 2, 2), 0.25, 0.5, 0),
-               KeyReport(GraphKey(1, 1, 1, 8), 4.0, 0.5, 0, graphs_compiled=1)]
+               KeyReport(GraphKey(1, 1, 1, 8), 2.0, 0.5, 0, graphs_loaded=1)]
     families = small_cache.write_manifest(reports)["families"]
-    assert families == {"DECODE": {"keys": 3, "graphs_compiled": 1, "compile_s": 9.0, "run_s": 0.5},
-                         "EXTEND": {"keys": 1, "graphs_compiled": 1, "compile_s": 4.0, "run_s": 0.0}}
+    assert families == {"DECODE": {"keys": 3, "graphs_compiled": 1, "graphs_loaded": 0, "compile_s": 9.0, "run_s": 0.5},
+                         "EXTEND": {"keys": 1, "graphs_compiled": 0, "graphs_loaded": 1, "compile_s": 2.0,
+                                    "run_s": 0.0}}
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -106,6 +108,9 @@ def test_progress_eta_charges_a_compile_to_each_family_not_yet_compiled():
     progress = Progress(keys, out)
     progress(0, KeyReport(keys[0], 10.0, 0.0, 0, graphs_compiled=1))
     progress(1, KeyReport(keys[1], 1.0, 0.0, 0))
-    first, second = out.getvalue().splitlines()
+    progress(2, KeyReport(keys[2], 1.0, 0.0, 0))
+    progress(3, KeyReport(keys[3], 2.0, 0.0, 0, graphs_loaded=1))
+    first, second, _, fourth = out.getvalue().splitlines()
     assert "key 1/4" in first and "compile 10.0s" in first and first.endswith("ETA 0m30s")  # EXTEND: 10s, D2: 10s
     assert "key 2/4" in second and "run 1.0s" in second and second.endswith("ETA 0m11s")  # EXTEND: 10s, D2: 1s
+    assert "key 4/4" in fourth and "load 2.0s" in fourth and fourth.endswith("ETA 0m00s")

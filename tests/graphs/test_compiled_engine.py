@@ -5,6 +5,7 @@ EXTEND, MIXED and DECODE steps, padded to their keys; steps that fit no key run 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from torch._dynamo.utils import counters
@@ -48,12 +49,30 @@ def test_v2_lite_cold_compile_matches_eager(checkpoint, eager_tokens, tmp_path):
     assert len(manifest["keys"]) == 3  # a cold engine start leaves a manifest like a warm-up does
 
 
-def test_v3_warm_start_reuses_the_warmup_cache_and_matches_eager(v3_dir, v3_warm_cache, eager_tokens):
+def test_v3_warm_start_loads_the_warmup_precompiled_graphs_and_matches_eager(v3_dir, v3_warm_cache, eager_tokens):
+    """Every family comes back precompiled: nothing is traced, re-traced or compiled."""
     cache_dir, manifest, _ = v3_warm_cache
-    hits = counters["inductor"]["fxgraph_cache_hit"]
+    frames = counters["stats"]["unique_graphs"]
     engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(cache_dir), **STAGGERED, **SMALL_KEYS)
-    assert counters["inductor"]["fxgraph_cache_hit"] - hits >= 3  # every key's graph came from the cache
+    assert counters["stats"]["unique_graphs"] == frames  # dynamo traced nothing
+    stats = engine.stats()
+    assert stats["loaded_graphs"] == 3 and stats["compiled_graphs"] == 0, stats
     assert json.loads(engine.runner.graph_cache.manifest_path.read_text()) == manifest  # the warm-up's record
+    check_compiled_run(engine, eager_tokens["v3"])
+
+
+def test_a_corrupt_precompiled_graph_is_rebuilt_with_a_warning(v3_dir, eager_tokens, tmp_path, caplog):
+    engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path), **STAGGERED, **SMALL_KEYS)
+    artifacts = engine.runner.graph_cache.precompiled_dir
+    assert sorted(p.name for p in artifacts.iterdir()) == ["decode.aot", "extend.aot", "mixed.aot"]
+    (artifacts / "mixed.aot").write_bytes(b"not a precompiled graph")
+    with caplog.at_level(logging.WARNING, logger="encore.graphs.compiler"):
+        engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path), **STAGGERED,
+                        **SMALL_KEYS)
+    assert "precompiled MIXED graph" in caplog.text and "does not load" in caplog.text
+    stats = engine.stats()
+    assert stats["loaded_graphs"] == 2 and stats["compiled_graphs"] == 1 and stats["recompiles"] == 0, stats
+    assert (artifacts / "mixed.aot").stat().st_size > 1000  # written anew
     check_compiled_run(engine, eager_tokens["v3"])
 
 
