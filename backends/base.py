@@ -11,6 +11,17 @@ from encore.backends import mla_ops  # noqa: F401  (registers torch.ops.encore.*
 from encore.backends.metadata import ForwardBatch, ForwardMode
 
 
+def decompress_kv(kv: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, rank: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MHA keys and values of gathered latents, in ``kv``'s dtype: kv [S, R + dr], w_kc [H, dn, R],
+    w_vc [H, dv, R] -> k [S, H, dn + dr] (the shared rope part broadcast to every head), v [S, H, dv]."""
+    dtype = kv.dtype
+    k_nope = torch.einsum("sr,hdr->shd", kv[:, :rank], w_kc.to(dtype))  # [S, H, dn]
+    k_pe = kv[:, None, rank:].expand(-1, k_nope.shape[1], -1)  # [S, H, dr]
+    v = torch.einsum("sr,hvr->shv", kv[:, :rank], w_vc.to(dtype)).contiguous()  # [S, H, dv]
+    return torch.cat([k_nope, k_pe], dim=-1), v
+
+
 @dataclass(frozen=True, slots=True)
 class MLADims:
     num_heads: int

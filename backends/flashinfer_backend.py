@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encore.backends.base import AttentionBackend, MLADims
+from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_backend import TritonAttentionBackend
 
@@ -121,7 +121,7 @@ class _MLAPlan:
 
 @dataclass(slots=True)
 class _RaggedPrefill:
-    """The eager prefill plan: latent slots to gather per row and the planned ragged wrapper."""
+    """The eager prefill plan: the latent slots each row gathers (``self._ragged`` holds the plan)."""
 
     slots: torch.Tensor  # [S] int64 on the device: cache slots of each row's positions 0 .. seq_len - 1
     num_tokens: int  # real prefill tokens (qo_indptr[num_extends])
@@ -135,15 +135,14 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
         super().__init__(kv_caches, dims)
-        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
-
         device = kv_caches[0].device
         reason = unsupported_reason(dims, kv_caches[0].dtype, device)
         if reason is not None:
             raise ValueError(f"attention_backend 'flashinfer' {reason}")
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
-        self._eager_prefill_mla = _MLAPlan(self.workspace, None, None)
         self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
         self._static: dict[tuple, _MLAPlan] = {}
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
@@ -160,23 +159,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         E, page_size = batch.num_extends, batch.page_size
         width = batch.page_table.shape[1]
         seq, prefix = batch.seq_lens_cpu, batch.prefix_lens_cpu
-        dtype, kv_dtype = self.kv_caches[0].dtype, self.kv_caches[0].dtype
+        dtype = self.kv_caches[0].dtype
+        # A static plan per step shape (the graph key's fields) and table width: its buffers are the
+        # ones captured into that key's graph.
+        shape = (E, batch.q_len_per_req, batch.bs, batch.num_tokens)
         self._prefill = None
         if E:
             q_lens = [s - p for s, p in zip(seq[:E], prefix[:E])]
             if static:
-                self._prefill = self._static_plan(("prefill", batch.num_tokens, batch.bs, E), E, width)
+                self._prefill = self._static_plan(("prefill", *shape), E, width)
                 self._prefill.plan(_rows(q_lens, seq[:E], page_size, width), batch.page_table[:E], self.dims,
-                                   page_size, True, dtype, kv_dtype)
+                                   page_size, True, dtype, dtype)
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
         if batch.num_decodes:
             rows, q = batch.num_decodes, batch.q_len_per_req
-            plan = (self._static_plan(("decode", batch.num_tokens, batch.bs, E), rows, width) if static
+            plan = (self._static_plan(("decode", *shape), rows, width) if static
                     else self._eager_decode_mla)
             plan.plan(_rows([q] * rows, seq[E:], page_size, width), batch.page_table[E:], self.dims, page_size,
-                      q > 1, dtype, kv_dtype)
+                      q > 1, dtype, dtype)
             self._decode = plan
 
     def _static_plan(self, key: tuple, rows: int, width: int) -> _MLAPlan:
@@ -220,13 +222,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             owned = torch.arange(o.shape[0], device=o.device) < batch.qo_indptr[batch.num_extends]  # [n]
             out.copy_(torch.where(owned[:, None, None], o, 0))
             return
-        rank = self.dims.kv_lora_rank
-        dtype = q_nope.dtype
-        kv = cache.view(-1, cache.shape[-1])[plan.slots].to(dtype)  # [S, R + dr]
-        k_nope = torch.einsum("sr,hdr->shd", kv[:, :rank], w_kc.to(dtype))  # [S, H, dn]
-        k_pe = kv[:, None, rank:].expand(-1, k_nope.shape[1], -1)  # [S, H, dr]
-        k = torch.cat([k_nope, k_pe], dim=-1)  # [S, H, dn + dr]
-        v = torch.einsum("sr,hvr->shv", kv[:, :rank], w_vc.to(dtype)).contiguous()  # [S, H, dv]
+        kv = cache.view(-1, cache.shape[-1])[plan.slots].to(q_nope.dtype)  # [S, R + dr]
+        k, v = decompress_kv(kv, w_kc, w_vc, self.dims.kv_lora_rank)  # [S, H, dn + dr], [S, H, dv]
         n = plan.num_tokens
         q = torch.cat([q_nope[:n], q_pe[:n]], dim=-1)  # [n, H, dn + dr]
         out[n:].zero_()

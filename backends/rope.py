@@ -70,10 +70,12 @@ def apply_rotary(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
                  interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference RoPE: q_pe [T, H, d], k_pe [T, d], cos_sin [P, d] -> rotated (q_pe, k_pe)."""
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, d / 2] each
-    return _rotate(q_pe, cos[:, None], sin[:, None], interleaved), _rotate(k_pe, cos, sin, interleaved)
+    return rotate(q_pe, cos[:, None], sin[:, None], interleaved), rotate(k_pe, cos, sin, interleaved)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [..., d] rotated by angles given as cos, sin [..., d / 2] (broadcast), computed in float32;
+    ``interleaved``: pairs are (0, 1), (2, 3)… rather than the two halves."""
     xf = x.float()
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]

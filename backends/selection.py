@@ -23,14 +23,13 @@ def select_backend(name: str, device: torch.device, dims: MLADims, dtype: torch.
     if name == "auto":
         if device.type != "cuda":
             return TorchAttentionBackend
-        from encore.backends.flashinfer_backend import unsupported_reason
+        from encore.backends.flashinfer_backend import FlashInferAttentionBackend, unsupported_reason
 
         reason = unsupported_reason(dims, dtype, device)
         if reason is None:
-            name = "flashinfer"
-        else:
-            log.info("attention backend: triton (flashinfer %s)", reason)
-            name = "triton"
+            return FlashInferAttentionBackend
+        log.info("attention backend: triton (flashinfer %s)", reason)
+        name = "triton"
     if name == "torch":
         return TorchAttentionBackend
     if device.type != "cuda":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from encore.backends.base import AttentionBackend, MLADims
+from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_mla import choose_num_kv_splits, default_decode_config, mla_decode, mla_prefill
 
@@ -44,19 +44,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                 cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
-        rank = self.dims.kv_lora_rank
-        heads = q_nope.shape[1]
         rows = batch.num_extends
-        dtype = q_nope.dtype
         if rows == 0:
             out.zero_()
             return
-        kv = cache[batch.page_table[:rows]].flatten(0, 2).to(dtype)  # [E * S, R + dr]
+        kv = cache[batch.page_table[:rows]].flatten(0, 2).to(q_nope.dtype)  # [E * S, R + dr]
         span = kv.shape[0] // rows
-        k_nope = torch.einsum("sr,hdr->shd", kv[:, :rank], w_kc.to(dtype))  # [E * S, H, dn]
-        k_pe = kv[:, None, rank:].expand(-1, heads, -1)  # [E * S, H, dr]
-        k = torch.cat([k_nope, k_pe], dim=-1)  # [E * S, H, dn + dr]
-        v = torch.einsum("sr,hvr->shv", kv[:, :rank], w_vc.to(dtype)).contiguous()  # [E * S, H, dv]
+        k, v = decompress_kv(kv, w_kc, w_vc, self.dims.kv_lora_rank)  # [E * S, H, dn + dr], [E * S, H, dv]
         q = torch.cat([q_nope, q_pe], dim=-1)  # [n, H, dn + dr]
         kv_indptr = torch.arange(rows + 1, device=q.device, dtype=torch.int32) * span  # [E + 1]
         out.zero_()  # the kernel leaves tokens no row owns (bucket padding) untouched: make them finite

@@ -87,7 +87,7 @@ def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: 
 
 
 def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, page_size: int = PAGE_SIZE,
-                 max_pages: int | None = None, vocab: int = V2_LITE.vocab_size) -> ForwardBatch:
+                 max_pages: int | None = None) -> ForwardBatch:
     """Every row at ``context`` cached tokens, feeding ``q_len`` new ones; row b owns ``max_pages``
     pages (default: just enough) from 1 + b·max_pages on."""
     max_pages = max_pages or math.ceil((context + q_len) / page_size)
@@ -98,7 +98,7 @@ def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, pa
     tokens = bs * q_len
     return ForwardBatch(
         num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=page_size,
-        input_ids=(torch.arange(tokens, device=device) * 7919) % vocab, positions=positions, slot_mapping=slots,
+        input_ids=(torch.arange(tokens, device=device) * 7919) % V2_LITE.vocab_size, positions=positions, slot_mapping=slots,
         seq_lens=torch.full((bs,), context + q_len, dtype=torch.int32, device=device),
         prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
         qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len, page_table=table,

@@ -150,8 +150,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
             floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
             step_ms = {}
             for q_len in (1, VERIFY_Q_LEN):
-                batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages,
-                                     V2_LITE["vocab_size"])
+                batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages)
 
                 def step(batch=batch):
                     hidden = runner.forward(batch, batch.gather_ids)

@@ -7,10 +7,9 @@ the queries, the output) over the device-copy bandwidth of a large ``copy_`` mea
 The calls of one graph cycle through separate copies of the cache, together several times the L2, so
 every call reads its KV from HBM as a model step does (other layers' weights evict it in between).
 
-    python benchmarks/bench_mla_decode.py [--page-size 64] [--json out.json] [--sweep]
+    python benchmarks/bench_mla_decode.py [--page-size 64] [--json out.json]
 
-``--sweep`` also times every split count and a few tile configurations per case and prints the best,
-to tune ``default_decode_config`` / ``choose_num_kv_splits``.
+``tune_mla_decode.py`` is the sweep that tunes ``default_decode_config`` / ``choose_num_kv_splits``.
 """
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ import math
 
 import torch
 
-from encore.backends.triton_mla import MAX_KV_SPLITS, KernelConfig, mla_decode
+from encore.backends.triton_mla import mla_decode
 
 HEADS, RANK, ROPE = 16, 512, 64
 SCALE = 192 ** -0.5
 COLD_BYTES = 256 << 20  # the caches one graph cycles through: about 5x an H100's 50 MB L2
-SWEEP_CONFIGS = [KernelConfig(16, 32, 8, 3), KernelConfig(16, 64, 8, 3), KernelConfig(16, 32, 4, 3),
-                 KernelConfig(32, 16, 8, 3), KernelConfig(32, 32, 8, 3), KernelConfig(64, 16, 8, 2)]
 
 
 def graph_time_us(calls, reps: int = 10) -> float:
@@ -75,10 +72,10 @@ class Case:
         self.bytes = bs * context * (RANK + ROPE) * 2 + self.query.numel() * 2 + self.out.numel() * 2
         self.calls = max(self.copies, 20)
 
-    def encore_calls(self, num_kv_splits: int | None = None, config: KernelConfig | None = None):
+    def encore_calls(self):
         q_lat, q_pe = self.query[..., :RANK], self.query[..., RANK:]
         return [lambda c=c: mla_decode(q_lat, q_pe, self.caches[c % self.copies], self.page_table, self.seq_lens,
-                                       self.q_len, SCALE, self.out, num_kv_splits=num_kv_splits, config=config)
+                                       self.q_len, SCALE, self.out)
                 for c in range(self.calls)]
 
     def flashinfer_calls(self, out: torch.Tensor):
@@ -100,7 +97,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def measure(case: Case, bandwidth: float, sweep: bool) -> dict:
+def measure(case: Case, bandwidth: float) -> dict:
     floor_us = case.bytes / bandwidth * 1e6
     row = {"bs": case.bs, "context": case.context, "q_len": case.q_len, "page_size": case.page_size,
            "bytes": case.bytes, "floor_us": round(floor_us, 2),
@@ -113,12 +110,6 @@ def measure(case: Case, bandwidth: float, sweep: bool) -> dict:
         row["rel_diff_vs_flashinfer"] = round(rel_diff(mine, theirs), 5)
     except Exception as exc:  # no flashinfer, or an API it does not have: report, keep benchmarking
         row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    if sweep:
-        best = (row["encore_us"], "default")
-        for config in SWEEP_CONFIGS:
-            for splits in [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_KV_SPLITS]:
-                best = min(best, (graph_time_us(case.encore_calls(splits, config)), f"splits={splits} {config}"))
-        row["sweep_best_us"], row["sweep_best"] = round(best[0], 2), best[1]
     return row
 
 
@@ -128,7 +119,6 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--q-len", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -138,19 +128,16 @@ def main() -> None:
     for q_len in args.q_len:
         for bs in args.bs:
             for context in args.context:
-                rows.append(measure(Case(bs, context, q_len, args.page_size), bandwidth, args.sweep))
+                rows.append(measure(Case(bs, context, q_len, args.page_size), bandwidth))
                 torch.cuda.empty_cache()
     header = (f"{'q':>2} {'bs':>4} {'ctx':>6} {'floor µs':>9} {'encore µs':>10} {'x floor':>8} "
               f"{'flashinfer µs':>14} {'x floor':>8}")
-    print(header + ("  sweep best" if args.sweep else ""))
+    print(header)
     for r in rows:
         peer = r.get("flashinfer_us")
         peer_cols = f"{peer:>14} {peer / r['floor_us']:>8.2f}" if peer else f"{'-':>14} {'-':>8}"
-        line = (f"{r['q_len']:>2} {r['bs']:>4} {r['context']:>6} {r['floor_us']:>9} {r['encore_us']:>10} "
-                f"{r['encore_us'] / r['floor_us']:>8.2f} {peer_cols}")
-        if args.sweep:
-            line += f"  {r['sweep_best_us']} µs ({r['sweep_best']})"
-        print(line)
+        print(f"{r['q_len']:>2} {r['bs']:>4} {r['context']:>6} {r['floor_us']:>9} {r['encore_us']:>10} "
+              f"{r['encore_us'] / r['floor_us']:>8.2f} {peer_cols}")
     errors = {r["flashinfer_error"] for r in rows if "flashinfer_error" in r}
     for error in errors:
         print(f"flashinfer not timed: {error}")

@@ -120,19 +120,29 @@ def start_server(model: str, engine_args: list[str], log_path: str | None) -> tu
     command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", model, "--port", "0", *engine_args]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target, lines = None, []
-    log = open(log_path, "w") if log_path else None
     for line in server.stdout:
         lines.append(line)
-        if log is not None:
-            log.write(line)
         if match := re.search(r"listening on (\S+)", line):
             target = match.group(1)
         if "ready: serving" in line:
-            if log is not None:  # the rest of its output, warnings from the engine process among them
-                threading.Thread(target=lambda: [log.write(rest) or log.flush() for rest in server.stdout],
-                                 daemon=True).start()
+            # Keep reading its output (to ``log_path``, or nowhere): a pipe nobody reads would stall the
+            # server, and its engine process with it, once warnings filled it.
+            threading.Thread(target=drain, args=(server.stdout, lines, log_path), daemon=True).start()
             return server, target
     raise RuntimeError(f"encore serve exited with {server.wait()}; its last output:\n{''.join(lines[-30:])}")
+
+
+def drain(stream, head: list[str], log_path: str | None) -> None:
+    """Reads ``stream`` to its end, writing ``head`` and then every line to ``log_path`` if given."""
+    if log_path is None:
+        for _ in stream:
+            pass
+        return
+    with open(log_path, "w") as log:
+        log.writelines(head)
+        for line in stream:
+            log.write(line)
+            log.flush()
 
 
 def main() -> None:

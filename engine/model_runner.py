@@ -66,17 +66,16 @@ class ModelRunner:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's nextn layer "
                              f"(model.layers.{cfg.num_hidden_layers}.*), which {config.model!r} does not have")
         num_layers = cfg.num_hidden_layers + (1 if self.with_mtp else 0)  # the MTP layer has its own cache
-        eagle3 = spec is not None and spec.method == "eagle3"
-        self.eagle3_config = _eagle3_config(spec.draft_model, cfg) if eagle3 else None
-        if self.eagle3_config is not None and build_model is not None:
+        draft = _eagle3_config(spec.draft_model, cfg) if spec is not None and spec.method == "eagle3" else None
+        self.eagle3_config = draft
+        if draft is not None and build_model is not None:
             raise ValueError("build_model cannot set up the target's auxiliary states for EAGLE-3; load config.model")
-        aux_layers = self.eagle3_config.capture_layers(cfg.num_hidden_layers) if self.eagle3_config else ()
-        draft_elems = self.eagle3_config.kv_elems_per_token if self.eagle3_config else 0
-        token_elems = num_layers * cfg.latent_dim + draft_elems  # the drafter's KV shares the target's pages
+        aux_layers = draft.capture_layers(cfg.num_hidden_layers) if draft else ()
+        # The drafter's KV shares the target's pages.
+        token_elems = num_layers * cfg.latent_dim + (draft.kv_elems_per_token if draft else 0)
         self.num_pages = config.num_kv_pages or self._size_pool(config, cfg, token_elems, max_model_len)
         self.kv_caches = allocate_kv_caches(num_layers, self.num_pages, config.page_size, cfg.latent_dim,
                                             self.dtype, self.device)
-        draft = self.eagle3_config
         self.draft_kv_cache = DraftKVCache(self.num_pages, config.page_size, draft.num_key_value_heads, draft.head_dim,
                                            self.dtype, self.device) if draft else None
         self.backend = select_backend(config.attention_backend, self.device, self.dims, self.dtype)(
@@ -91,7 +90,7 @@ class ModelRunner:
                                   self.device, self.dtype) if draft else None
         self.sampler = Sampler()
         # Static page-table width of graph steps; a verify row may reserve k draft slots past the context.
-        spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         row_tokens = min(max_model_len + spec_tokens, (self.num_pages - 1) * config.page_size)
         self.max_pages_per_row = -(-row_tokens // config.page_size)
         cache = GraphCache.for_engine(config, cfg) if config.use_compile or config.use_cuda_graphs else None

@@ -196,14 +196,14 @@ def symbolic_sizes() -> Iterator[None]:
         yield
 
 
-def step_inputs(key: GraphKey, batch: ForwardBatch) -> tuple:
-    """``_entry``'s arguments after the model for ``batch`` padded to ``key``, with the symbolic dims marked."""
-    torch._dynamo.mark_dynamic(batch.input_ids, 0)
-    torch._dynamo.mark_dynamic(batch.positions, 0)
-    extend_ids = None
-    if key.mode is ForwardMode.MIXED:
-        extend_ids = batch.input_ids[:key.num_extend_tokens]
-        torch._dynamo.mark_dynamic(extend_ids, 0)
+def step_inputs(key: GraphKey, batch: ForwardBatch, mark: bool = True) -> tuple:
+    """``_entry``'s arguments after the model for ``batch`` padded to ``key``, with the symbolic dims
+    marked for dynamo unless ``mark`` is False (a precompiled graph is called with them unmarked)."""
+    extend_ids = batch.input_ids[:key.num_extend_tokens] if key.mode is ForwardMode.MIXED else None
+    if mark:
+        for tensor in (batch.input_ids, batch.positions, extend_ids):
+            if tensor is not None:
+                torch._dynamo.mark_dynamic(tensor, 0)
     return batch.input_ids, batch.positions, batch, extend_ids
 
 
@@ -221,8 +221,7 @@ class CompiledFamily:
         if self.artifact is not None and self.precompiled is None:
             self.precompiled = self._load() or self._precompile(model, key, batch)
         if self.precompiled is not None:
-            extend_ids = batch.input_ids[:key.num_extend_tokens] if key.mode is ForwardMode.MIXED else None
-            inputs = (model, batch.input_ids, batch.positions, batch, extend_ids)
+            inputs = (model, *step_inputs(key, batch, mark=False))
             if self.precompiled.guard_check(*inputs):
                 return self.precompiled(*inputs)
         with symbolic_sizes():
@@ -249,9 +248,7 @@ class CompiledFamily:
         with symbolic_sizes():
             precompiled = self.dynamo.aot_compile(((model, *step_inputs(key, batch)), {}))
         self.artifact.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.artifact.with_suffix(".partial")
-        precompiled.save_compiled_function(str(partial))
-        partial.replace(self.artifact)  # atomic: a killed warm-up never leaves half an artifact
+        precompiled.save_compiled_function(str(self.artifact))  # written atomically by torch
         precompiled.disable_guard_check()
         return precompiled
 

@@ -44,6 +44,11 @@ class KeyReport:
     graphs_compiled: int = 0
     graphs_loaded: int = 0
 
+    @property
+    def built(self) -> bool:
+        """Whether this key's first call built its family's graph (compiled or loaded it)."""
+        return bool(self.graphs_compiled or self.graphs_loaded)
+
 
 @dataclass(slots=True)
 class _Captured:

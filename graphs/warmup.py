@@ -44,7 +44,7 @@ class Progress:
     def __call__(self, index: int, report: KeyReport) -> None:
         done, total = index + 1, len(self.keys)
         elapsed = time.perf_counter() - self.start
-        (self.compile_s if report.graphs_compiled or report.graphs_loaded else self.run_s).append(report.compile_s + report.capture_s)
+        (self.compile_s if report.built else self.run_s).append(report.compile_s + report.capture_s)
         compiled = {k.mode for k in self.keys[:done]}
         new_families = len({k.mode for k in self.keys[done:]} - compiled)
         mean_compile = sum(self.compile_s) / len(self.compile_s) if self.compile_s else 0.0
@@ -103,12 +103,12 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
     for path in sorted(root.glob("*/manifest.json")):
         try:
             manifest = json.loads(path.read_text())
+            if manifest.get("format") != MANIFEST_FORMAT:
+                out.write(f"{path.parent}: manifest format {manifest.get('format')!r}; it will be rebuilt\n")
+                continue
             keys, ident, families = manifest["keys"], manifest["identity"], manifest["families"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             out.write(f"{path.parent}: unreadable manifest ({exc}); it will be rebuilt\n")
-            continue
-        if manifest.get("format") != MANIFEST_FORMAT:
-            out.write(f"{path.parent}: manifest format {manifest.get('format')!r}; it will be rebuilt\n")
             continue
         manifests.append(manifest)
         arch = ident.get("model_config", {}).get("architecture", "?")

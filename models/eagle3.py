@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from encore.backends.metadata import ForwardBatch
+from encore.backends.rope import rotate
 from encore.models.deepseek import DenseMLP, RMSNorm
 from encore.models.loader import checkpoint_names, copy_checkpoint
 
@@ -174,12 +175,7 @@ class LlamaRotary(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions[:, None].float() * self.inv_freq[None, :]  # [T, d / 2]
         cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
-        return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return rotate(q, cos[:, None], sin[:, None], False), rotate(k, cos[:, None], sin[:, None], False)
 
 
 class Eagle3Attention(nn.Module):
@@ -237,6 +233,8 @@ class Eagle3Model(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         # A frozen parameter, so that the loader fills it like any other checkpoint tensor.
         self.d2t = nn.Parameter(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), requires_grad=False)
+        # The target id of each draft id (d2t + arange), set by the loader once d2t is checked.
+        self.register_buffer("target_ids", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's auxiliary states [T, 3·H_target] -> the first pass's hidden input [T, H]."""
@@ -249,8 +247,7 @@ class Eagle3Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft = self.lm_head(self.norm(hidden)).float()  # [N, Vd]
         logits = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))  # [N, V]
-        target_ids = self.d2t + torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)  # [Vd]
-        return logits.index_copy_(1, target_ids, draft)
+        return logits.index_copy_(1, self.target_ids, draft)
 
 
 def load_eagle3(model_dir: str | Path, cfg: Eagle3Config, attention: PagedAttention,
@@ -274,6 +271,7 @@ def load_eagle3(model_dir: str | Path, cfg: Eagle3Config, attention: PagedAttent
     if int(target_ids.min()) < 0 or int(target_ids.max()) >= cfg.vocab_size:
         raise ValueError(f"d2t in {str(model_dir)!r} maps draft ids to target ids in [{int(target_ids.min())}, "
                          f"{int(target_ids.max())}], outside the vocabulary [0, {cfg.vocab_size})")
+    model.target_ids = target_ids
     if not own_embedding:
         if tuple(target_embedding.weight.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"draft checkpoint {str(model_dir)!r} has no embed_tokens and the target's embedding "

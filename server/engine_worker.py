@@ -83,7 +83,16 @@ def engine_info(engine: Engine) -> EngineInfo:
         max_num_seqs=engine.config.max_num_seqs, page_size=engine.config.page_size,
         engine_config={k: str(v) for k, v in dataclasses.asdict(engine.config).items()},
         speculative_method=engine.config.speculative.method if engine.config.speculative is not None else None,
+        graph_keys=captured_keys(engine),
     )
+
+
+def captured_keys(engine: Engine) -> tuple[tuple[int, int, int, int], ...]:
+    """The keys of the engine's captured CUDA graphs (all its keys are captured at start-up)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.cuda_graphs:
+        return ()
+    return tuple((k.num_extends, k.q_len_per_req, k.bs, k.num_tokens) for k in graphs.keys)
 
 
 def engine_stats(engine: Engine) -> EngineStats:
@@ -95,7 +104,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         steps=steps, kv_pages_free=stats["kv_pages_free"], kv_pages_total=stats["kv_pages_total"],
         running=stats["running"], waiting=stats["waiting"], preemptions=stats["preemptions"],
         graph_replays=stats.get("graph_replays", 0), compiled_steps=stats.get("compiled_steps", 0),
-        eager_steps=stats.get("eager_steps", sum(steps.values())), graph_keys=tuple(stats.get("graph_keys", ())),
+        eager_steps=stats.get("eager_steps", sum(steps.values())),
         spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
     )
 
@@ -177,7 +186,7 @@ class EngineLoop:
         n = len(out.new_token_ids)
         return Delta(
             request_id=out.request_id,
-            token_ids=list(out.new_token_ids),
+            token_ids=out.new_token_ids,  # pickled at once by the send: no copy needed
             logprobs=out.logprobs[len(out.logprobs) - n:] if out.logprobs is not None else None,
             finish_reason=out.finish_reason if out.finished else None,
             queue_time=self.queue_times.pop(out.request_id, None),

@@ -67,6 +67,8 @@ class EngineInfo:
     page_size: int
     engine_config: dict[str, str]
     speculative_method: str | None = None  # the engine's drafter; None: no speculative decoding
+    # Captured CUDA graphs, as (num_extends, q_len_per_req, bs, num_tokens); empty without them.
+    graph_keys: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,6 @@ class EngineStats:
     graph_replays: int
     compiled_steps: int
     eager_steps: int
-    graph_keys: tuple[tuple[int, int, int, int], ...] = ()  # (num_extends, q_len_per_req, bs, num_tokens)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 

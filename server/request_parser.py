@@ -77,12 +77,10 @@ class RequestParser:
     async def parse(self, request: pb.GenerateRequest) -> ParsedRequest:
         check_request_id(request.request_id)
         token_ids = self._token_ids(request)
+        if request.HasField("speculative") and request.speculative and not self.speculative:
+            raise invalid("speculative: true, but the server runs without speculative decoding (start it with "
+                          "`encore serve --speculative-method`); leave this unset or false")
         params = self._params(request)
-        if request.HasField("speculative"):
-            if request.speculative and not self.speculative:
-                raise invalid("speculative: true, but the server runs without speculative decoding (start it with "
-                              "`encore serve --speculative-method`); leave this unset or false")
-            params = dataclasses.replace(params, speculative=request.speculative)
         if request.HasField("response_format"):
             grammar = await self._grammar(request.response_format)
             params = dataclasses.replace(params, **grammar)
@@ -142,6 +140,8 @@ class RequestParser:
                 raise invalid(f"stopping.stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
         if request.HasField("logprobs"):
             kwargs["logprobs"] = request.logprobs
+        if request.HasField("speculative"):
+            kwargs["speculative"] = request.speculative
         try:
             params = SamplingParams(stop=tuple(stopping.stop), stop_token_ids=tuple(stopping.stop_token_ids),
                                     ignore_eos=stopping.ignore_eos, **kwargs)

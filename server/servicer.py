@@ -127,10 +127,10 @@ class GenerationServicer:
         )
         if engine.info is not None:
             reply.engine_config.update(engine.info.engine_config)
+            reply.graph_keys.extend(pb.GraphKey(num_extends=k[0], q_len_per_req=k[1], bs=k[2], num_tokens=k[3])
+                                    for k in engine.info.graph_keys)
         stats = engine.stats
         if stats is not None:
-            reply.graph_keys.extend(pb.GraphKey(num_extends=k[0], q_len_per_req=k[1], bs=k[2], num_tokens=k[3])
-                                    for k in stats.graph_keys)
             reply.kv_cache.CopyFrom(pb.KvCacheUsage(page_size=engine.info.page_size, pages_total=stats.kv_pages_total,
                                                     pages_free=stats.kv_pages_free, usage=stats.kv_usage))
             reply.running_requests, reply.waiting_requests = stats.running, stats.waiting

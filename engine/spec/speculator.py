@@ -109,11 +109,13 @@ class Speculator:
         device = runner.device
         n_plain = len(sampled) - len(step.decodes) * q_len
         rows = len(step.decodes)
-        # Host-to-device copies before the forward: a copy from pageable memory waits for the stream.
-        drafts = torch.tensor([r.draft_token_ids for r in step.decodes], dtype=torch.long,
-                              device=device).view(rows, k)
-        counted = [0 if r.params.speculative is False else k for r in step.decodes]  # drafts each row may accept
-        caps = torch.tensor(counted, device=device) if 0 in counted else None
+        # Host-to-device copies before the forward (a copy from pageable memory waits for the stream),
+        # drafts and caps in one: each row's k drafts, then how many of them it may accept.
+        counted = [0 if r.params.speculative is False else k for r in step.decodes]
+        packed = torch.tensor([r.draft_token_ids + [c] for r, c in zip(step.decodes, counted)], dtype=torch.long,
+                              device=device).view(rows, k + 1)
+        drafts, cap_column = packed.split([k, 1], dim=1)  # [B, k], [B, 1]
+        caps = cap_column.squeeze(1) if 0 in counted else None
         params = [r.params for r in sampled]
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
         t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
@@ -135,7 +137,8 @@ class Speculator:
                                 if self.model_drafter is not None else ([], None))
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
-        # One device-to-host copy for everything the host needs from this step.
+        # One device-to-host copy for everything the host needs from this step (logprobs, when asked
+        # for, make their own).
         parts = [plain_tokens, spec.num_accepted, spec.tokens.flatten()]
         if new_drafts is not None:
             parts.append(new_drafts.flatten())
@@ -243,7 +246,7 @@ class Speculator:
         drafts = self._draft(batch, ids, hidden, src, page_table, pick)
         q_all = torch.stack(qs, dim=1)  # [D, k, V]
         for i, req in enumerate(drafting):
-            if not req.params.greedy:
+            if not req.params.greedy and req.params.speculative is not False:  # a cap of 0 never reads q
                 self.draft_probs[req.request_id] = q_all[i]
         return drafting, drafts
 

@@ -76,15 +76,16 @@ def test_corpus_round_trip(tokenizer):
 
 
 @pytest.mark.parametrize("clean_up", [False, True])
-def test_streamed_text_follows_the_tokenizers_clean_up_setting(tokenizer, clean_up):
+def test_streamed_text_follows_the_tokenizers_clean_up_setting(tokenizer, clean_up, monkeypatch):
     """The Rust backend is decoded directly only while ``clean_up_tokenization_spaces`` is off (the
     clean-up is the tokenizer's Python, which transformers skips for BPE models anyway); either way
     the stream is the tokenizer's own decode, spaces before punctuation included."""
     text = "Hello , world ! It 's a test : do n't stop ."
     ids = tokenizer.encode(text)
-    original = tokenizer.clean_up_tokenization_spaces
-    tokenizer.clean_up_tokenization_spaces = clean_up
-    try:
-        assert stream(tokenizer, ids)[0] == tokenizer.decode(ids, skip_special_tokens=True) == text
-    finally:
-        tokenizer.clean_up_tokenization_spaces = original
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", clean_up)
+    calls = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **kw: calls.append(a) or decode(*a, **kw))
+    assert stream(tokenizer, ids)[0] == want == text
+    assert bool(calls) is clean_up  # the tokenizer's own decode only where it may differ from the backend's

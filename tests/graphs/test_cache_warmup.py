@@ -114,3 +114,12 @@ def test_progress_eta_charges_a_compile_to_each_family_not_yet_compiled():
     assert "key 1/4" in first and "compile 10.0s" in first and first.endswith("ETA 0m30s")  # EXTEND: 10s, D2: 10s
     assert "key 2/4" in second and "run 1.0s" in second and second.endswith("ETA 0m11s")  # EXTEND: 10s, D2: 1s
     assert "key 4/4" in fourth and "load 2.0s" in fourth and fourth.endswith("ETA 0m00s")
+
+
+def test_list_reports_an_older_manifest_format_by_its_format(tmp_path):
+    entry = tmp_path / "0123456789abcdef"
+    entry.mkdir()
+    (entry / "manifest.json").write_text(json.dumps({"format": 2, "keys": [], "identity": {}}))  # no "families"
+    out = io.StringIO()
+    assert list_manifest(tmp_path, out=out) == []
+    assert "manifest format 2; it will be rebuilt" in out.getvalue()

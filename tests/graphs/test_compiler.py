@@ -3,6 +3,7 @@ counted and bounded per family."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -73,3 +74,20 @@ def test_compiled_drafter_matches_the_eager_mtp_pass_at_every_step_size():
     prefill = replace(batch, num_extends=1)
     with pytest.raises(ValueError, match="decode-only steps; this one has 1 prefill rows"):
         compiled(prefill, ids, hidden)
+
+
+def test_a_loaded_graph_whose_guards_reject_a_call_falls_back_to_dynamo_as_a_recompile(tmp_path, caplog):
+    """A precompiled family read back in a new CompiledModel serves the sizes it was compiled for;
+    a call its guards reject (another dtype) is compiled by dynamo, warned about and counted."""
+    key = GraphKey(0, 1, 8, 8)
+    first = CompiledModel(Doubler(), lambda family: [], compile_threads=1, artifacts=tmp_path)
+    assert first(key, Batch(8)).tolist() == [2 * i for i in range(8)]
+    assert first.compiled_graphs == 1 and (tmp_path / "decode.aot").is_file()
+    loaded = CompiledModel(Doubler(), lambda family: [], compile_threads=1, artifacts=tmp_path)
+    for tokens in (8, 3):
+        assert loaded(GraphKey(0, 1, tokens, tokens), Batch(tokens)).tolist() == [2 * i for i in range(tokens)]
+    assert loaded.loaded_graphs == 1 and loaded.compiled_graphs == 0 and loaded.recompiles == 0
+    with caplog.at_level(logging.WARNING, logger="encore.graphs.compiler"):
+        assert loaded(key, Batch(8, torch.int32)).tolist() == [2 * i for i in range(8)]
+    assert loaded.compiled_graphs == 1 and loaded.recompiles == 1
+    assert "DECODE graph is being recompiled" in caplog.text

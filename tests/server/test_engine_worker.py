@@ -1,13 +1,16 @@
 """EngineLoop with a stand-in engine, without a process: it steps on while nobody reads its outputs,
-and each step's outputs arrive as one message with every delta, in order."""
+and each step's outputs arrive as one message with every delta, in order; the engine's description
+names its captured graph keys."""
 
 from __future__ import annotations
 
 import multiprocessing
 import threading
+from types import SimpleNamespace
 
 from encore.engine import RequestOutput
-from encore.server.engine_worker import EngineLoop
+from encore.graphs.keys import GraphKey
+from encore.server.engine_worker import EngineLoop, captured_keys
 from encore.server.message_pipe import MessageReader, MessageWriter
 from encore.server.messages import Shutdown, StepResult
 
@@ -59,3 +62,13 @@ def test_the_loop_steps_on_while_its_outputs_wait_and_every_delta_arrives_in_ord
         [(f"r{row}", [step * 1000 + row] * TOKENS, "length" if step == STEPS else None) for row in range(ROWS)]
         for step in range(1, STEPS + 1)]
     assert [r.stats.steps["DECODE"] for r in results] == list(range(1, STEPS + 1))
+
+
+def test_server_info_lists_the_captured_graph_keys_only():
+    """``GetServerInfo.graph_keys``: every key once CUDA graphs are captured; none when steps only
+    compile (or run eager)."""
+    keys = (GraphKey(1, 1, 5, 12), GraphKey(0, 1, 4, 4))
+    for cuda_graphs, want in ((True, ((1, 1, 5, 12), (0, 1, 4, 4))), (False, ())):
+        engine = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(cuda_graphs=cuda_graphs, keys=keys)))
+        assert captured_keys(engine) == want
+    assert captured_keys(SimpleNamespace(runner=SimpleNamespace(graphs=None))) == ()

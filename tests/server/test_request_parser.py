@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -48,10 +49,16 @@ def test_text_is_tokenized_like_the_engine_does(parser, reference):
     assert parsed.params.stop == ("\n",)
 
 
-def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, reference):
+def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, reference, monkeypatch):
+    threads = []
+    encode = parser.tokenizer.encode
+    monkeypatch.setattr(parser.tokenizer, "encode",
+                        lambda text: threads.append(threading.current_thread().name) or encode(text))
     text = "x" * (INLINE_TOKENIZE_CHARS + 1)  # past the inline limit: tokenized on the worker thread
     n = len(reference.tokenizer.encode(text))
     assert error(parser, build_request(text)).message.startswith(f"the prompt has {n} tokens; max_model_len is")
+    error(parser, build_request("x" * INLINE_TOKENIZE_CHARS))  # at the limit: inline, on the event loop's thread
+    assert threads[0].startswith("encore-tokenize") and threads[1] == threading.current_thread().name
 
 
 @pytest.mark.parametrize(("options", "field"), [
