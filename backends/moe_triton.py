@@ -30,11 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from encore.backends import kernel_variants
 from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The alignment compares a chunk of pairs with every expert at once: chunks of up to 128 pairs and
-# this many elements (E = 64 on an H200: 1.6 µs at T = 1, 4.9 µs at T = 64).
+# The alignment compares a chunk of pairs with every expert at once: chunks of 128 pairs or of this
+# many elements, whichever is fewer (E = 64 on an H200: 1.6 µs at T = 1, 4.9 µs at T = 64). The chunk
+# depends on E alone, not on T: no kernel variant per token count (kernel_variants).
 _ALIGN_TILE = 16384
 _ALIGN_WARPS = 4
 
@@ -85,13 +87,26 @@ def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
     return config
 
 
+def config_token_counts(max_tokens: int) -> tuple[int, ...]:
+    """The fewest tokens of each row of the config table that a step of at most ``max_tokens`` tokens
+    reaches: one forward at each runs every variant of these kernels (ModelRunner.warm_up_kernels)."""
+    counts, low = [], 1
+    for bound, _ in _CONFIGS:
+        if low > max_tokens:
+            break
+        counts.append(low)
+        low = (bound or max_tokens) + 1
+    return tuple(counts)
+
+
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the aligned blocks: each of the at most min(E, pairs) chosen experts pads its
     pairs by fewer than block_m slots."""
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"], do_not_specialize_on_alignment=["IDS"])
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     # One program per expert: each counts every expert's pairs (the counts place its slots) and then
@@ -147,13 +162,14 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     if num_pairs == 0:
         return sorted_pairs, block_expert
     block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(triton.next_power_of_2(num_pairs), 128, _ALIGN_TILE // block_e))
+    chunk = max(16, min(128, _ALIGN_TILE // block_e))
     _align_kernel[(num_experts,)](ids, sorted_pairs, block_expert, num_pairs, blocks, BLOCK_M=block_m,
                                   BLOCK_E=block_e, CHUNK=chunk, num_warps=_ALIGN_WARPS)
     return sorted_pairs, block_expert
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
                     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -186,7 +202,8 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
              mask=n_ok[None, :])
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -212,6 +229,7 @@ def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@kernel_variants.watched
 @triton.jit
 def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)

@@ -13,8 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from encore.backends import kernel_variants
 
-@triton.jit
+
+@kernel_variants.watched
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # views of a step's packed upload
 def _rope_cache_write_kernel(
     pos_ptr, slot_ptr, q_ptr, kv_c_ptr, k_pe_ptr, cos_sin_ptr, cache_ptr, q_out_ptr,
     q_stride_t, q_stride_h, kv_c_stride_t, k_pe_stride_t, cos_sin_stride, cache_stride_slot,

@@ -16,14 +16,17 @@ split the first kernel writes ``out`` directly.
 
 ``mla_prefill`` (FlashAttention-2 forward, ragged, causal with a cached prefix). A program handles
 BLOCK_M queries of one row and one head. Programs are numbered over the rows' query tiles in order;
-each finds its row with a prefix sum over the per-row tile counts, so the grid, cdiv(Tq, BLOCK_M) +
-rows per head, depends only on static sizes (no host read of ``qo_indptr``) and wastes no programs
-on short rows. Head dims that are not a power of two (192 = 128 + 64) are split into two dots.
-A kernel rather than flex_attention: flex needs a BlockMask rebuilt from the indptrs every step and
-kept in static buffers for capture, where this kernel takes the indptrs themselves as arguments.
+each finds its row with a prefix sum over the per-row tile counts (16 rows at a time), so the
+grid, cdiv(Tq, BLOCK_M) + rows per head, depends only on static sizes (no host read of
+``qo_indptr``) and wastes no programs on short rows. Head dims that are not a power of two
+(192 = 128 + 64) are split into two dots. A kernel rather than flex_attention: flex needs a
+BlockMask rebuilt from the indptrs every step and kept in static buffers for capture, where this
+kernel takes the indptrs themselves as arguments.
 
 Both accumulate in float32 with the exp2 form of the online softmax. Inputs are float32, float16 or
 bfloat16 (float32 dots run in IEEE precision, not TF32, so they can match a float32 reference).
+No constexpr depends on a step's rows, lengths or splits, and the integers and index tensors that do
+are not specialized on, so a step of a new shape compiles nothing (``kernel_variants``).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
+from encore.backends import kernel_variants
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KV_SPLITS = 64
 # A split shorter than this costs more in its fixed work (the query load, the merge) than it saves
 # (benchmarks/tune_mla_decode.py: bs 1 × 1k keys runs fastest at 32 splits of 32 keys).
 MIN_KEYS_PER_SPLIT = 32
+_ROW_CHUNK = tl.constexpr(16)  # prefill rows scanned at a time when a program looks for its row
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +124,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["PAGE_TABLE", "SEQ_LENS"])
 def _decode_split_kernel(
         Q, QPE, KV, PAGE_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, qk_scale,
         stride_qt, stride_qh, stride_pet, stride_peh, stride_kvp, stride_kvs, stride_ptb, stride_ot, stride_oh,
@@ -183,7 +190,8 @@ def _decode_split_kernel(
         tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=pair_ok)
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits,
                          NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
@@ -263,28 +271,38 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     if not direct:
         _decode_merge_kernel[(tokens, heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
-            BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_kv_splits), num_warps=4)
+            BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), num_warps=4)
     return out
 
 
-@triton.jit
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_rows"],
+            do_not_specialize_on_alignment=["QO_INDPTR", "KV_INDPTR", "PREFIX_LENS"])
 def _prefill_kernel(
         Q, K, V, OUT, QO_INDPTR, KV_INDPTR, PREFIX_LENS, qk_scale, num_rows,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    # Which row's query tile is this program's: tiles are numbered row after row.
-    rows = tl.arange(0, BLOCK_ROWS)
-    in_batch = rows < num_rows
-    row_tiles = tl.cdiv(tl.load(QO_INDPTR + rows + 1, mask=in_batch, other=0)
-                        - tl.load(QO_INDPTR + rows, mask=in_batch, other=0), BLOCK_M)  # [ROWS]
-    tiles_through = tl.cumsum(row_tiles, 0)
-    row = tl.sum((tiles_through <= tile).to(tl.int32))
+    # Which row's query tile is this program's: tiles are numbered row after row. The rows are scanned
+    # in chunks of _ROW_CHUNK, so that no constexpr depends on the step's row count.
+    row = 0  # rows whose tiles all come before this one
+    first_tile = 0  # the first tile of row ``row``
+    tiles_before = 0
+    for r0 in range(0, num_rows, _ROW_CHUNK):
+        rows = r0 + tl.arange(0, _ROW_CHUNK)
+        in_batch = rows < num_rows
+        row_tiles = tl.cdiv(tl.load(QO_INDPTR + rows + 1, mask=in_batch, other=0)
+                            - tl.load(QO_INDPTR + rows, mask=in_batch, other=0), BLOCK_M)  # [CHUNK]
+        tiles_through = tiles_before + tl.cumsum(row_tiles, 0)
+        passed = in_batch & (tiles_through <= tile)
+        row += tl.sum(passed.to(tl.int32))
+        first_tile = tl.maximum(first_tile, tl.max(tl.where(passed, tiles_through, 0)))
+        tiles_before += tl.sum(row_tiles)
     if row >= num_rows:  # the grid is an upper bound on the tile count
         return
-    m_tile = tile - tl.sum(tl.where(rows == row, tiles_through - row_tiles, 0))
+    m_tile = tile - first_tile
 
     q_start = tl.load(QO_INDPTR + row)
     q_count = tl.load(QO_INDPTR + row + 1) - q_start
@@ -374,7 +392,7 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: to
         q, k, v, out, qo_indptr, kv_indptr, prefix_lens, softmax_scale * math.log2(math.e), rows,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         D_A=d_a, D_B=d_b, BLOCK_DB=max(16, triton.next_power_of_2(d_b)), DV=v.shape[2],
-        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[2])), BLOCK_ROWS=max(16, triton.next_power_of_2(rows)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[2])),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

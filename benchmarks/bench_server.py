@@ -8,7 +8,10 @@ server runs as its own process (``python -m encore.server.cli serve``, which spa
 process); the clients are asyncio streams in this process. On a machine with few cores the three
 processes compete for them, which is part of what this measures.
 
-    python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--json out.json]
+    python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 3] [--json out.json]
+
+Each side runs the requests ``--trials`` times (one engine, one server) and reports each metric's
+median over its trials: one run of a tiny model lasts well under a second, and single runs scatter.
 
 Without --model it serves the embedded encore-tiny checkpoint.
 """
@@ -44,66 +47,82 @@ def summarize(starts: list[float], firsts: list[float], ends: list[float], count
             "throughput_tok_s": sum(counts) / wall, "wall_s": wall}
 
 
-def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int) -> tuple[dict, list[list[int]]]:
+def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int, trials: int) -> list[tuple[dict, list]]:
+    """One engine, warmed up; ``trials`` timed runs of all requests, each (summary, tokens per request)."""
     from encore.engine import Engine, SamplingParams
 
     engine = Engine(**engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(texts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    before = engine.stats()
-    n = len(texts)
-    start = time.perf_counter()
-    for i, text in enumerate(texts):
-        engine.add_request(f"b{i}", text, params)
-    firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            i = int(out.request_id[1:])
-            now = time.perf_counter()
-            if out.new_token_ids and not tokens[i]:
-                firsts[i] = now
-            tokens[i].extend(out.new_token_ids)
-            if out.finished:
-                ends[i] = now
-    wall = time.perf_counter() - start
-    return {**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
-            "engine": step_counts(before, engine.stats())}, tokens
+    runs = []
+    for trial in range(trials):
+        before = engine.stats()
+        n = len(texts)
+        start = time.perf_counter()
+        for i, text in enumerate(texts):
+            engine.add_request(f"t{trial}-{i}", text, params)
+        firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = int(out.request_id.rsplit("-", 1)[1])
+                now = time.perf_counter()
+                if out.new_token_ids and not tokens[i]:
+                    firsts[i] = now
+                tokens[i].extend(out.new_token_ids)
+                if out.finished:
+                    ends[i] = now
+        wall = time.perf_counter() - start
+        runs.append(({**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+                      "engine": step_counts(before, engine.stats())}, tokens))
+    return runs
 
 
 def step_counts(before: dict, after: dict) -> dict:
-    """How the timed run's engine steps ran: by mode, and graph replays / compiled / eager."""
+    """How the timed run's engine steps ran: by mode, graph replays / compiled / eager, and the kernels
+    they compiled."""
     steps = {mode: n - before["steps"].get(mode, 0) for mode, n in after["steps"].items()}
     return {"steps": steps, **{name: after[name] - before[name] for name in (
-        "graph_replays", "compiled_steps", "eager_steps", "preemptions")}}
+        "graph_replays", "compiled_steps", "eager_steps", "preemptions", "kernel_compiles")}}
 
 
-async def run_clients(target: str, texts: list[str], max_tokens: int) -> tuple[dict, list[list[int]]]:
+async def run_clients(target: str, texts: list[str], max_tokens: int, trials: int) -> list[tuple[dict, list]]:
+    """``trials`` runs of all requests as concurrent streams, each (summary, tokens per request)."""
     from encore.server.client import AsyncClient
 
     async with AsyncClient(target, max_message_bytes=16 << 20) as client:
         await client.generate(texts[0], max_tokens=4, temperature=0.0)  # warm-up
-        before = server_counts(await client.server_info())
-        n = len(texts)
-        firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+        runs = []
+        for _ in range(trials):
+            before = server_counts(await client.server_info())
+            n = len(texts)
+            firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
 
-        async def one(i: int) -> None:
-            async for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-                if chunk.token_ids and not tokens[i]:
-                    firsts[i] = time.perf_counter()
-                tokens[i].extend(chunk.token_ids)
-            ends[i] = time.perf_counter()
+            async def one(i: int) -> None:
+                async for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                    if chunk.token_ids and not tokens[i]:
+                        firsts[i] = time.perf_counter()
+                    tokens[i].extend(chunk.token_ids)
+                ends[i] = time.perf_counter()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        wall = time.perf_counter() - start
-        after = server_counts(await client.server_info())
-    return {**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
-            "engine": step_counts(before, after)}, tokens
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(n)))
+            wall = time.perf_counter() - start
+            after = server_counts(await client.server_info())
+            runs.append(({**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+                          "engine": step_counts(before, after)}, tokens))
+    return runs
+
+
+def median_row(path: str, runs: list[tuple[dict, list]]) -> dict:
+    """Each metric's median over the trials, and every trial's numbers."""
+    summaries = [summary for summary, _ in runs]
+    metrics = [k for k in summaries[0] if k != "engine"]
+    return {"path": path, **{k: statistics.median(s[k] for s in summaries) for k in metrics}, "trials": summaries}
 
 
 def server_counts(info) -> dict:
     return {"steps": dict(info.steps), "graph_replays": info.graph_replays, "compiled_steps": info.compiled_steps,
-            "eager_steps": info.eager_steps, "preemptions": info.preemptions}
+            "eager_steps": info.eager_steps, "preemptions": info.preemptions, "kernel_compiles": info.kernel_compiles}
 
 
 def release_device_memory() -> None:
@@ -150,6 +169,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=3, help="timed runs per side; the tables show medians")
     ap.add_argument("--prompt-words", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -159,34 +179,37 @@ def main() -> None:
     model = args.model or str(default_model_dir())
     texts = prompts(args.clients, args.prompt_words)
     engine_kwargs = {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.clients}
-    peer, peer_tokens = run_in_process(engine_kwargs, texts, args.max_tokens)
+    peer = run_in_process(engine_kwargs, texts, args.max_tokens, args.trials)
     release_device_memory()  # the server's engine sizes its KV pool from the memory left free
     server, target = start_server(model, ["--device", args.device, "--dtype", args.dtype,
                                           "--max-num-seqs", str(args.clients)], args.server_log)
     try:
-        served, served_tokens = asyncio.run(run_clients(target, texts, args.max_tokens))
+        served = asyncio.run(run_clients(target, texts, args.max_tokens, args.trials))
     finally:
         server.terminate()
         server.wait(30)
-    assert served_tokens == peer_tokens, "the server's tokens differ from the in-process engine's"
-    rows = [{"path": "in-process Engine (peer)", **peer}, {"path": "gRPC server", **served}]
-    overhead = {"tpot_ratio": served["tpot_ms_mean"] / peer["tpot_ms_mean"],
-                "ttft_ratio": served["ttft_ms_mean"] / peer["ttft_ms_mean"],
-                "throughput_ratio": served["throughput_tok_s"] / peer["throughput_tok_s"]}
+    for (_, want), (_, got) in zip(peer, served):
+        assert got == want, "the server's tokens differ from the in-process engine's"
+    rows = [median_row("in-process Engine (peer)", peer), median_row("gRPC server", served)]
+    ours, theirs = rows[1], rows[0]
+    overhead = {"tpot_ratio": ours["tpot_ms_mean"] / theirs["tpot_ms_mean"],
+                "ttft_ratio": ours["ttft_ms_mean"] / theirs["ttft_ms_mean"],
+                "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"]}
     print(f"{Path(model).name}: {args.clients} concurrent streams x {args.max_tokens} tokens, "
-          f"{args.device}/{args.dtype}")
+          f"{args.device}/{args.dtype}, median of {args.trials} trials")
     print(f"{'path':26} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
     for r in rows:
         print(f"{r['path']:26} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
               f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.2f}")
     for r in rows:
-        print(f"{r['path']:26} engine steps {r['engine']}")
+        for trial in r["trials"]:
+            print(f"{r['path']:26} engine steps {trial['engine']}")
     print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
           f"throughput x{overhead['throughput_ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "clients": args.clients, "max_tokens": args.max_tokens, "device": args.device,
-                       "dtype": args.dtype, "rows": rows, "overhead": overhead}, f, indent=2)
+                       "dtype": args.dtype, "trials": args.trials, "rows": rows, "overhead": overhead}, f, indent=2)
 
 
 if __name__ == "__main__":

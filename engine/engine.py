@@ -7,6 +7,7 @@ from functools import partial
 import json
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -64,6 +65,10 @@ class Engine:
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
         progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
         self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step
+        start = time.perf_counter()
+        warm_steps = self.runner.warm_up_kernels(self.config)  # and every kernel an eager step can launch
+        if warm_steps:
+            log.info("kernel warm-up: %d eager steps in %.1fs", warm_steps, time.perf_counter() - start)
         self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size)
         capacity = self.kv.num_total_pages * self.config.page_size
         if wanted_len > capacity:

@@ -10,6 +10,7 @@ import torch
 
 from encore.backends.base import AttentionBackend, MLADims
 from encore.backends.context import StepContext
+from encore.backends.kernel_variants import compiled_variants
 from encore.backends.metadata import ForwardBatch
 from encore.backends.selection import select_backend
 from encore.engine.config import EngineConfig
@@ -17,6 +18,7 @@ from encore.engine.grammar import apply_bitmask
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from encore.engine.spec.draft_kv_cache import DraftKVCache
+from encore.engine.step import scratch_batch
 from encore.graphs.cache import GraphCache
 from encore.graphs.compiler import CompiledModel
 from encore.graphs.keys import keys_for
@@ -97,6 +99,7 @@ class ModelRunner:
         self.graphs = self._graph_runner(config, cache) if cache is not None else None
         self.graph_cache = cache if self.graphs is not None else None
         self.eager_steps = 0
+        self.kernel_variants_at_start: int | None = None  # set by warm_up_kernels
 
     def _graph_runner(self, config: EngineConfig, cache: GraphCache) -> GraphRunner | None:
         keys = tuple(k for k in keys_for(config) if k.mode in self.backend.graph_modes)
@@ -133,6 +136,41 @@ class ModelRunner:
             log.info("graph cache %s: %d keys ready in %.1fs", self.graph_cache.root, len(reports),
                      sum(r.compile_s + r.capture_s for r in reports))
         return reports
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, config: EngineConfig) -> int:
+        """Runs the eager forward once per kernel variant that an eager step can reach, so that serving
+        compiles none (backends/kernel_variants.py); returns the steps run. CUDA only: no other device
+        compiles kernels on first use.
+
+        The variants: each row of the fused MoE's config table (by token count), the prefill kernel
+        (one), and per decode q_len the split-KV decode with one split (many rows, short tables) and
+        with several (one row, the widest table). Each step runs on the dummy page (``scratch_batch``)."""
+        if self.device.type != "cuda":
+            return 0
+        from encore.backends.moe_triton import config_token_counts
+
+        page = config.page_size
+        row_cap = self.max_pages_per_row * page
+        spec = config.speculative
+        q_lens = {1} | ({1 + spec.num_speculative_tokens} if spec is not None else set())
+        steps = []  # (prefill row lengths, decode rows, q_len, table width)
+        for tokens in config_token_counts(config.max_num_batched_tokens):
+            rows = [min(row_cap, tokens - start) for start in range(0, tokens, row_cap)]
+            if len(rows) <= config.max_num_seqs:
+                steps.append((rows, 0, 1, -(-rows[0] // page)))
+        for q in sorted(q_lens):
+            if q <= config.max_num_batched_tokens:
+                steps.append(([], 1, q, self.max_pages_per_row))
+                steps.append(([], min(config.max_num_seqs, config.max_num_batched_tokens // q), q, -(-q // page)))
+        for extend_lens, decodes, q_len, width in steps:
+            batch = scratch_batch(extend_lens, decodes, q_len, width, page, self.device)
+            with self.context.bind(batch):
+                self.backend.plan(batch)
+                self.model(batch.input_ids, batch.positions, batch)
+        torch.cuda.synchronize(self.device)
+        self.kernel_variants_at_start = compiled_variants()
+        return len(steps)
 
     def _size_pool(self, config: EngineConfig, cfg: ModelConfig, token_elems: int, max_model_len: int) -> int:
         """``token_elems``: cache elements one token takes in every cache that pages index."""
@@ -184,6 +222,8 @@ class ModelRunner:
             "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
             "loaded_graphs": compiled.loaded_graphs if compiled is not None else 0,
             "recompiles": compiled.recompiles if compiled is not None else 0,
+            "kernel_compiles": (compiled_variants() - self.kernel_variants_at_start
+                                if self.kernel_variants_at_start is not None else 0),
         }
 
     @torch.inference_mode()

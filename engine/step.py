@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from encore.backends.metadata import ForwardBatch
-from encore.engine.kv_cache import KVCacheManager
+from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager
 from encore.engine.request import Request
 from encore.engine.sampler import SamplingTensors, needs_token_history
 from encore.engine.scheduler import ScheduledStep
@@ -54,17 +56,24 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
         elif end == len(req.token_ids):
             gather_ids.append(qo_indptr[-1] - 1)
             sampled.append(req)
+    return pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
+                      prefix_lens, qo_indptr, tables, gather_ids, device), sampled
+
+
+def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: list[int], positions: list[int],
+               slots: list[int], seq_lens: list[int], prefix_lens: list[int], qo_indptr: list[int],
+               tables: list[list[int]], gather_ids: list[int], device: torch.device) -> ForwardBatch:
+    """The step layout from its host lists, in two host-to-device copies (one per dtype) split into
+    views on the device; page-table rows are padded with 0 to the longest."""
     max_pages = max((len(t) for t in tables), default=0)
     flat_table = [page for t in tables for page in t + [0] * (max_pages - len(t))]  # [bs * max_pages]
-
-    # Two host-to-device copies for the whole layout (one per dtype), split into views on the device.
-    tokens, bs = len(input_ids), len(rows)
+    tokens, bs = len(input_ids), len(seq_lens)
     longs = torch.tensor(input_ids + positions + slots + gather_ids, dtype=torch.int64).to(device, non_blocking=True)
     ints = torch.tensor(seq_lens + prefix_lens + qo_indptr + flat_table,
                         dtype=torch.int32).to(device, non_blocking=True)
-    batch = ForwardBatch(
-        num_extends=len(step.extends),
-        q_len_per_req=step.q_len_per_req,
+    return ForwardBatch(
+        num_extends=num_extends,
+        q_len_per_req=q_len_per_req,
         bs=bs,
         num_tokens=tokens,
         page_size=page_size,
@@ -79,7 +88,21 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
     )
-    return batch, sampled
+
+
+def scratch_batch(extend_lens: list[int], num_decodes: int, q_len: int, width: int, page_size: int,
+                  device: torch.device) -> ForwardBatch:
+    """A step on the dummy page alone (kv_cache.DUMMY_PAGE): prefill rows of ``extend_lens`` tokens,
+    then ``num_decodes`` decode rows of ``q_len``, every row's table ``width`` pages wide (at least its
+    length). Every token's latent goes to, and every key is read from, that scratch page: the step runs
+    the kernels of a real one of its shape (ModelRunner.warm_up_kernels), its outputs mean nothing."""
+    lens = list(extend_lens) + [q_len] * num_decodes
+    if width * page_size < max(lens, default=0):
+        raise ValueError(f"a table of {width} pages of {page_size} cannot hold a row of {max(lens)} tokens")
+    positions = [p for n in lens for p in range(n)]
+    return pack_batch(len(extend_lens), q_len, page_size, [0] * len(positions), positions,
+                      [DUMMY_PAGE * page_size + p % page_size for p in positions], lens, [0] * len(lens),
+                      list(accumulate(lens, initial=0)), [[DUMMY_PAGE] * width] * len(lens), [], device)
 
 
 def sampling_tensors(sampled: list[Request], device: torch.device) -> SamplingTensors:

@@ -104,7 +104,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         steps=steps, kv_pages_free=stats["kv_pages_free"], kv_pages_total=stats["kv_pages_total"],
         running=stats["running"], waiting=stats["waiting"], preemptions=stats["preemptions"],
         graph_replays=stats.get("graph_replays", 0), compiled_steps=stats.get("compiled_steps", 0),
-        eager_steps=stats.get("eager_steps", sum(steps.values())),
+        eager_steps=stats.get("eager_steps", sum(steps.values())), kernel_compiles=stats.get("kernel_compiles", 0),
         spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
     )
 

@@ -85,6 +85,7 @@ class EngineStats:
     graph_replays: int
     compiled_steps: int
     eager_steps: int
+    kernel_compiles: int = 0  # GPU kernel variants compiled after start-up
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 

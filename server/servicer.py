@@ -137,7 +137,7 @@ class GenerationServicer:
             reply.steps.update(stats.steps)
             reply.graph_replays, reply.compiled_steps, reply.eager_steps = (stats.graph_replays, stats.compiled_steps,
                                                                             stats.eager_steps)
-            reply.preemptions = stats.preemptions
+            reply.preemptions, reply.kernel_compiles = stats.preemptions, stats.kernel_compiles
         return reply
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -22,7 +22,8 @@ if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch  # noqa: E402
-from encore.backends.moe_triton import FusedMoEConfig, align_pairs, default_config, fused_moe, max_blocks  # noqa: E402
+from encore.backends.moe_triton import (  # noqa: E402
+    FusedMoEConfig, align_pairs, config_token_counts, default_config, fused_moe, max_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)  # several N and K tiles
@@ -155,6 +156,16 @@ def test_default_config_by_tokens_and_dtype():
     blocks = [default_config(tokens, torch.bfloat16).block_m for tokens in (1, 64, 128, 129, 4096)]
     assert blocks == sorted(blocks) and blocks[0] == 16 and blocks[-1] > 16  # larger blocks for larger batches
     assert default_config(64, torch.float32).block_k == default_config(64, torch.bfloat16).block_k // 2
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 100, 128, 129, 300, 512, 513, 8192])
+def test_config_token_counts_reach_every_config_once(max_tokens):
+    """The warm-up's token counts: one per config a step of up to max_tokens tokens can use."""
+    counts = config_token_counts(max_tokens)
+    assert max(counts) <= max_tokens
+    used = [default_config(tokens, torch.bfloat16) for tokens in counts]
+    assert len(set(used)) == len(used)  # no config twice
+    assert set(used) == {default_config(tokens, torch.bfloat16) for tokens in range(1, max_tokens + 1)}
 
 
 @pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")

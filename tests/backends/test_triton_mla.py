@@ -214,6 +214,17 @@ def test_prefill_matches_reference(rows, dims, config):
 
 
 @in_process
+def test_prefill_many_rows():
+    """More rows than the kernel scans at a time (16): programs past the first chunk find their row."""
+    rows = [(i % 5, 1 + (7 * i) % 23) for i in range(37)]
+    rows[20] = (3, 0)  # a row with no new tokens, in the second chunk
+    q, k, v, qo, kv, prefix = make_prefill(rows, 2, 32, 16, torch.float32)
+    out = torch.empty(q.shape[0], 2, 16, device=DEVICE)
+    mla_prefill(q, k, v, qo, kv, prefix, 0.25, out, config=SMALL)
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 0.25)) < 1e-5
+
+
+@in_process
 def test_prefill_float16():
     q, k, v, qo, kv, prefix = make_prefill([(4, 9), (30, 17)], 2, 48, 32, torch.float16)
     out = torch.empty(q.shape[0], 2, 32, dtype=torch.float16, device=DEVICE)

@@ -187,7 +187,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds")
+    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds", "kernel_compiles")
     class EngineConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ServerInfo(_message.Message):
     EAGER_STEPS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_COMPILES_FIELD_NUMBER: _ClassVar[int]
     version: str
     engine_alive: bool
     ready: bool
@@ -241,7 +242,8 @@ class ServerInfo(_message.Message):
     eager_steps: int
     preemptions: int
     uptime_seconds: float
-    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    kernel_compiles: int
+    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kernel_compiles: _Optional[int] = ...) -> None: ...
 
 class GraphKey(_message.Message):
     __slots__ = ("num_extends", "q_len_per_req", "bs", "num_tokens")
