@@ -34,16 +34,17 @@ keys on the graph after the passes, so what the passes did is part of every cach
 cache, but dynamo still traces, and the backend still re-traces, each family once per process.
 
 Precompiled families: with an artifact directory (the graph cache's, graphs/cache.py) a family is
-compiled through dynamo's ahead-of-time path (``torch.compile(...).aot_compile``): the same
-tracing, passes and Inductor, but the result — dynamo's guards and bytecode together with
-Inductor's output — is saved as one file per family, and a later process loads that file instead of
-tracing anything. On the DeepSeek-V2-Lite shape the trace and the re-trace are most of a warm
-start's compile time (27 layers, three families), which Inductor's own caches cannot skip. The
-loaded function checks its guards on every call; a call they reject runs the family's ordinary
-``torch.compile`` entry, which compiles (counted like a recompile). An artifact that does not load
-is deleted with a warning and compiled again. What it was compiled from must not change under it:
-the cache's identity covers the torch version and a digest of encore's own sources, so any edit to
-the model, the passes or the ops starts a new cache.
+compiled through dynamo's ahead-of-time path (``torch.compile(...).aot_compile``; on torch 2.11,
+which lacks that method, the ``aot_compile_fullgraph`` it runs): the same tracing, passes and
+Inductor, but the result — dynamo's guards and bytecode together with Inductor's output — is saved
+as one file per family, and a later process loads that file instead of tracing anything. On the
+DeepSeek-V2-Lite shape the trace and the re-trace are most of a warm start's compile time (27
+layers, three families), which Inductor's own caches cannot skip. The loaded function checks its
+guards on every call; a call they reject runs the family's ordinary ``torch.compile`` entry, which
+compiles (counted like a recompile). An artifact that does not load is deleted with a warning and
+compiled again. What it was compiled from must not change under it: the cache's identity covers the
+torch version and a digest of encore's own sources, so any edit to the model, the passes or the ops
+starts a new cache.
 
 Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
 code object, so families sharing one entry function would evict each other past the limit; with one
@@ -207,14 +208,37 @@ def step_inputs(key: GraphKey, batch: ForwardBatch, mark: bool = True) -> tuple:
     return batch.input_ids, batch.positions, batch, extend_ids
 
 
+def _aot_compile_fullgraph() -> Callable | None:
+    """Dynamo's ahead-of-time compile of a whole graph, or None where torch lacks it."""
+    try:
+        from torch._dynamo.aot_compile import aot_compile_fullgraph
+    except ImportError:
+        return None
+    return aot_compile_fullgraph
+
+
+def _saved_as_inductor_output(backend: EncoreBackend) -> Callable:
+    """``backend`` with its Inductor output wrapped for saving: torch 2.13's ahead-of-time compile
+    does that for any backend, 2.11's (which torch.compile does not expose as a method) only for
+    Inductor's own."""
+    from torch._dynamo.aot_compile import BundledAOTAutogradSerializableCallable
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        compiled = backend(gm, example_inputs)
+        return BundledAOTAutogradSerializableCallable(compiled) if hasattr(compiled, "serialize") else compiled
+
+    return compile_graph
+
+
 class CompiledFamily:
     """One family's compiled step: ``(model, key, batch) -> hidden [T, hidden]`` through ``backend``,
     precompiled to (or loaded from) ``artifact`` when one is given and torch can (module docstring)."""
 
     def __init__(self, backend: EncoreBackend, artifact: Path | None) -> None:
         self.backend = backend
-        self.dynamo = torch.compile(fresh_entry(), backend=backend, fullgraph=True, dynamic=False)
-        self.artifact = artifact if hasattr(self.dynamo, "aot_compile") else None
+        self.entry = fresh_entry()
+        self.dynamo = torch.compile(self.entry, backend=backend, fullgraph=True, dynamic=False)
+        self.artifact = artifact if _aot_compile_fullgraph() is not None else None
         self.precompiled: Callable | None = None
 
     def __call__(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
@@ -246,7 +270,14 @@ class CompiledFamily:
 
     def _precompile(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> Callable:
         with symbolic_sizes():
-            precompiled = self.dynamo.aot_compile(((model, *step_inputs(key, batch)), {}))
+            example = ((model, *step_inputs(key, batch)), {})
+            if hasattr(self.dynamo, "aot_compile"):
+                precompiled = self.dynamo.aot_compile(example)
+            else:
+                from torch._dynamo.hooks import Hooks
+
+                precompiled = _aot_compile_fullgraph()(self.entry, example, hooks=Hooks(), dynamic=False,
+                                                       backend=_saved_as_inductor_output(self.backend))
         self.artifact.parent.mkdir(parents=True, exist_ok=True)
         precompiled.save_compiled_function(str(self.artifact))  # written atomically by torch
         precompiled.disable_guard_check()
