@@ -19,8 +19,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self._decode = _window_decoder(tokenizer)
+        self._decode = _window_decoder(tokenizer)  # None: no tokenizer, no text
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids = list(prompt_ids[-6:])  # a little prompt context so the first token decodes right
@@ -31,7 +30,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str | None:
         """Appends tokens; returns the stop string that ended the text, if one did."""
-        if self.tokenizer is None:
+        if self._decode is None:
             return None
         self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

@@ -164,10 +164,7 @@ class ModelRunner:
                 steps.append(([], 1, q, self.max_pages_per_row))
                 steps.append(([], min(config.max_num_seqs, config.max_num_batched_tokens // q), q, -(-q // page)))
         for extend_lens, decodes, q_len, width in steps:
-            batch = scratch_batch(extend_lens, decodes, q_len, width, page, self.device)
-            with self.context.bind(batch):
-                self.backend.plan(batch)
-                self.model(batch.input_ids, batch.positions, batch)
+            self._forward_eager(scratch_batch(extend_lens, decodes, q_len, width, page, self.device))
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)
@@ -205,10 +202,14 @@ class ModelRunner:
                 wanted = token_ids if token_ids is not None else torch.arange(batch.num_tokens, device=self.device)
                 return hidden[padded_index(batch, key, wanted)]
         self.eager_steps += 1
+        hidden = self._forward_eager(batch)
+        return hidden if token_ids is None else hidden[token_ids]
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model over ``batch`` as written, the backend planned on the host: hidden [T, hidden]."""
         with self.context.bind(batch):
             self.backend.plan(batch)
-            hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
-        return hidden if token_ids is None else hidden[token_ids]
+            return self.model(batch.input_ids, batch.positions, batch)
 
     def graph_stats(self) -> dict[str, int]:
         graphs = self.graphs

@@ -9,12 +9,13 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
-shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions and
-GPU, and a digest of encore's own sources: a precompiled graph holds dynamo's bytecode of the model
-and the passes' output, so the cache must not outlive an edit to either. A different identity is a different directory. Within one, a manifest that cannot be read,
-names another identity, or points at artifacts that are gone is stale or corrupt: the directory is
-deleted with a warning and rebuilt, never used. Inductor keys its own entries by graph and version
-too, so the manifest check guards encore's records, not the safety of a cache hit.
+shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions
+and GPU, and a digest of encore's own sources: a precompiled graph holds dynamo's bytecode of the
+model and the passes' output, so the cache must not outlive an edit to either. A different identity
+is a different directory. Within one, a manifest that cannot be read, names another identity, or
+points at artifacts that are gone is stale or corrupt: the directory is deleted with a warning and
+rebuilt, never used. Inductor keys its own entries by graph and version too, so the manifest check
+guards encore's records, not the safety of a cache hit.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ class EngineProcess:
     # ---- on the event loop -----------------------------------------------------------------
 
     def _send(self, command: Submit | Abort | Shutdown) -> None:
-        if not self._commands.send(command):
+        backlogged = self._commands.pending  # the writer is registered already
+        if not self._commands.send(command) and not backlogged:
             self._loop.add_writer(self._commands.fileno(), self._flush_commands)
 
     def _flush_commands(self) -> None:

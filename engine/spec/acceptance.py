@@ -54,10 +54,7 @@ def verify(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.
         q_draft = q.gather(2, drafts[..., None]).squeeze(-1)  # [B, k]
         ratio = p_draft / q_draft.clamp_min(1e-30)
     u = _uniforms(seeds, counters, k)  # [B, k]
-    accepted = u < ratio.clamp(max=1.0)  # [B, k]
-    if max_accept is not None:
-        accepted &= positions[None, :k] < max_accept[:, None]
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
+    num_accepted = _leading_accepted(u < ratio.clamp(max=1.0), max_accept)  # [B]
     residual = torch.cat([(target_probs[:, :k] - q).clamp_min(0.0), target_probs[:, k:]], dim=1)  # [B, k+1, V]
     row_ids = torch.arange(rows, device=drafts.device)
     at = residual[row_ids, num_accepted]  # [B, V]
@@ -80,11 +77,14 @@ def verify_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor, max_accept:
     [B, k + 1] (the argmax after each position), drafts [B, k], max_accept as in ``verify``. Draft i
     is accepted while it equals the target's pick; the row then emits the target's own picks — the
     accepted drafts, then the correction (or bonus) token."""
-    k = drafts.shape[1]
-    match = drafts == target_tokens[:, :k]  # [B, k]
+    return Verdict(_leading_accepted(drafts == target_tokens[:, :drafts.shape[1]], max_accept), target_tokens)
+
+
+def _leading_accepted(accepted: torch.Tensor, max_accept: torch.Tensor | None) -> torch.Tensor:
+    """Drafts each row accepts [B]: the leading run of ``accepted`` [B, k], cut at ``max_accept``."""
     if max_accept is not None:
-        match &= torch.arange(k, device=drafts.device)[None, :] < max_accept[:, None]
-    return Verdict(match.long().cumprod(dim=1).sum(dim=1), target_tokens)
+        accepted = accepted & (torch.arange(accepted.shape[1], device=accepted.device)[None, :] < max_accept[:, None])
+    return accepted.long().cumprod(dim=1).sum(dim=1)
 
 
 def _uniforms(seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:

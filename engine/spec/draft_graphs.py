@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from encore.backends.base import AttentionBackend
-from encore.backends.context import StepContext
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.graphs.keys import GraphKey
 from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm_up_on_side_stream
@@ -48,11 +46,10 @@ class _DraftGraph:
 
 
 class DraftGraphs:
-    def __init__(self, graphs: GraphRunner, context: StepContext, backend: AttentionBackend, k: int,
-                 draft: DraftFn) -> None:
+    def __init__(self, graphs: GraphRunner, k: int, draft: DraftFn) -> None:
         self.graphs = graphs
-        self.context = context
-        self.backend = backend
+        self.context = graphs.context
+        self.backend = graphs.backend
         self.draft = draft
         self.keys = tuple(key for key in graphs.keys  # largest first, like the target's captures
                           if key.mode is ForwardMode.DECODE and key.q_len_per_req == 1 + k

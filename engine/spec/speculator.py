@@ -75,11 +75,10 @@ class Speculator:
         graphs = runner.graphs
         if self.model_drafter is not None and graphs is not None and graphs.cuda_graphs:
             if graphs.compiled is not None and self.model_drafter.compiles:
-                from encore.passes.pipeline import passes_for
-
-                self.compiled_drafter = CompiledDrafter(self.model_drafter.forward, passes_for(ForwardMode.DECODE),
+                self.compiled_drafter = CompiledDrafter(self.model_drafter.forward,
+                                                        graphs.compiled.passes_for(ForwardMode.DECODE),
                                                         compile_threads=graphs.compiled.compile_threads)
-            self.draft_graphs = DraftGraphs(graphs, runner.context, runner.backend, self.k, self._graph_draft)
+            self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft)
             self.draft_graphs.capture()
 
     @property
@@ -109,13 +108,12 @@ class Speculator:
         device = runner.device
         n_plain = len(sampled) - len(step.decodes) * q_len
         rows = len(step.decodes)
-        # Host-to-device copies before the forward (a copy from pageable memory waits for the stream),
-        # drafts and caps in one: each row's k drafts, then how many of them it may accept.
+        # Each verify row was fed its last token and its k drafts: the drafts are already on the device.
+        drafts = batch.input_ids[batch.num_extend_tokens:].view(rows, q_len)[:, 1:]  # [B, k]
         counted = [0 if r.params.speculative is False else k for r in step.decodes]
-        packed = torch.tensor([r.draft_token_ids + [c] for r, c in zip(step.decodes, counted)], dtype=torch.long,
-                              device=device).view(rows, k + 1)
-        drafts, cap_column = packed.split([k, 1], dim=1)  # [B, k], [B, 1]
-        caps = cap_column.squeeze(1) if 0 in counted else None
+        # How many drafts each row may accept, uploaded (before the forward: a copy from pageable
+        # memory waits for the stream) only when a row opted out.
+        caps = torch.tensor(counted, dtype=torch.long, device=device) if 0 in counted else None
         params = [r.params for r in sampled]
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
         t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
@@ -133,7 +131,7 @@ class Speculator:
             spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
                           self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len], t.counters[n_plain::q_len],
                           caps)
-        drafting, new_drafts = (self._model_draft(step, batch, hidden, plain_tokens, spec)
+        drafting, new_drafts = (self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec)
                                 if self.model_drafter is not None else ([], None))
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
@@ -188,13 +186,15 @@ class Speculator:
         one_hot = torch.nn.functional.one_hot(drafts, vocab).float()  # [B, k, V]
         return torch.stack([self.draft_probs.get(r.request_id, one_hot[b]) for b, r in enumerate(decodes)])
 
-    def _model_draft(self, step: ScheduledStep, batch: ForwardBatch, hidden: torch.Tensor,
+    def _model_draft(self, step: ScheduledStep, batch: ForwardBatch, completing: list[Request], hidden: torch.Tensor,
                      plain_tokens: torch.Tensor, spec: Verdict) -> tuple[list[Request], torch.Tensor]:
-        """The drafting rows (completing prefill rows, then verify rows) and their k drafts [D, k]."""
+        """The drafting rows (``completing``: the prefill rows that complete their prompt, then the
+        verify rows) and their k drafts [D, k]."""
         k, q_len = self.k, self.q_len
         device = self.runner.device
-        drafting = [req for req, n in step.extends if req.num_computed + n == len(req.token_ids)] + step.decodes
-        greedy = all(r.params.greedy for r in drafting)
+        drafting = completing + step.decodes
+        # A row that opted out has its drafts replaced (``prepare``): any pick serves it.
+        greedy = all(r.params.greedy or r.params.speculative is False for r in drafting)
         if greedy and not step.extends and self.draft_graphs is not None:
             drafts = self.draft_graphs.run(self.runner.graphs.last_replayed, spec.tokens, spec.num_accepted)
             if drafts is not None:

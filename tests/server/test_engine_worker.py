@@ -1,18 +1,23 @@
 """EngineLoop with a stand-in engine, without a process: it steps on while nobody reads its outputs,
 and each step's outputs arrive as one message with every delta, in order; the engine's description
-names its captured graph keys."""
+names its captured graph keys, and GetServerInfo reports them."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import threading
 from types import SimpleNamespace
 
 from encore.engine import RequestOutput
 from encore.graphs.keys import GraphKey
+from encore.protos.encore.v1 import generate_pb2 as pb
+from encore.server.config import ServerConfig
 from encore.server.engine_worker import EngineLoop, captured_keys
 from encore.server.message_pipe import MessageReader, MessageWriter
-from encore.server.messages import Shutdown, StepResult
+from encore.server.messages import EngineInfo, Shutdown, StepResult
+from encore.server.metrics import ServerMetrics
+from encore.server.servicer import GenerationServicer
 
 STEPS, ROWS, TOKENS = 20, 8, 500  # ~200 kB of outputs: several times a pipe's buffer
 
@@ -72,3 +77,14 @@ def test_server_info_lists_the_captured_graph_keys_only():
         engine = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(cuda_graphs=cuda_graphs, keys=keys)))
         assert captured_keys(engine) == want
     assert captured_keys(SimpleNamespace(runner=SimpleNamespace(graphs=None))) == ()
+
+
+def test_server_info_reports_each_graph_key_field_by_field():
+    keys = ((1, 1, 5, 12), (0, 3, 8, 24))
+    info = EngineInfo(model="m", architecture="a", vocab_size=8, max_model_len=64, num_hidden_layers=1,
+                      hidden_size=8, num_attention_heads=1, kv_lora_rank=8, qk_rope_head_dim=4, eos_token_ids=(),
+                      max_num_seqs=4, page_size=16, engine_config={}, graph_keys=keys)
+    engine = SimpleNamespace(info=info, stats=None, failure=None, ready=True, streams={})
+    servicer = GenerationServicer(ServerConfig(), engine, None, ServerMetrics())
+    reply = asyncio.run(servicer.GetServerInfo(pb.GetServerInfoRequest(), context=None))
+    assert [(k.num_extends, k.q_len_per_req, k.bs, k.num_tokens) for k in reply.graph_keys] == list(keys)
