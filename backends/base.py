@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encore.backends import mla_ops  # noqa: F401  (registers torch.ops.encore.*, which forward emits)
+from encore.backends.mla_ops import latent_attention
 from encore.backends.metadata import ForwardBatch, ForwardMode
 
 
@@ -70,20 +70,8 @@ class AttentionBackend(abc.ABC):
 
     def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                 k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Writes [kv_c, k_pe] of every token into the layer's latent cache, then attends.
-
-        q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, R], k_pe [T, dr] (rope applied),
-        w_kc [H, dn, R] and w_vc [H, dv, R] (kv_b_proj split per head) -> [T, H, dv].
-
-        This is what a traced graph contains: the two custom ops of ``mla_ops`` and the output they
-        fill. The ops read ``batch`` from the step context, which the runner binds to this batch.
-        """
-        cache = self.kv_caches[layer_id]
-        torch.ops.encore.write_latent_cache(kv_c, k_pe, cache)
-        out = torch.empty(q_nope.shape[0], q_nope.shape[1], w_vc.shape[1], dtype=q_nope.dtype,
-                          device=q_nope.device)  # [T, H, dv]
-        torch.ops.encore.mla_attention(q_nope, q_pe, w_kc, w_vc, cache, out)
-        return out
+        """``latent_attention`` over layer ``layer_id``'s cache, for ``batch`` (bound in the step context)."""
+        return latent_attention(q_nope, q_pe, kv_c, k_pe, w_kc, w_vc, self.kv_caches[layer_id])
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:

@@ -15,8 +15,11 @@ orders the write before the read.
     mla_prefill(...same...)                                    rows [:num_extends] (MHA branch)
     mla_decode(...same...)                                     rows [num_extends:] (absorbed branch)
 
-``mla_attention`` is what the model emits; the dispatch-split pass lowers it, per graph key, into
-``mla_prefill`` over the first ``num_extend_tokens`` tokens and ``mla_decode`` over the rest.
+``mla_attention`` is what the model emits (through ``latent_attention``); the dispatch-split pass
+lowers it, per graph key, into ``mla_prefill`` over the first ``num_extend_tokens`` tokens and
+``mla_decode`` over the rest. The model holds its layer's cache itself, so tracing never reaches
+into the backend object (a precompiled graph saves whatever its guards reach, and a backend holds
+kernel handles that do not serialize).
 """
 
 from __future__ import annotations
@@ -112,3 +115,18 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_v
 
 for _op in (mla_attention, mla_prefill, mla_decode):
     _op.register_fake(lambda q_nope, q_pe, w_kc, w_vc, cache, out: None)
+
+
+def latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                     w_kc: torch.Tensor, w_vc: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Writes [kv_c, k_pe] of every token into the layer's latent ``cache``, then attends: what a
+    traced graph contains.
+
+    q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, R], k_pe [T, dr] (rope applied),
+    w_kc [H, dn, R] and w_vc [H, dv, R] (kv_b_proj split per head) -> [T, H, dv].
+    """
+    torch.ops.encore.write_latent_cache(kv_c, k_pe, cache)
+    out = torch.empty(q_nope.shape[0], q_nope.shape[1], w_vc.shape[1], dtype=q_nope.dtype,
+                      device=q_nope.device)  # [T, H, dv]
+    torch.ops.encore.mla_attention(q_nope, q_pe, w_kc, w_vc, cache, out)
+    return out

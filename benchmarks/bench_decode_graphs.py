@@ -176,7 +176,7 @@ def measure(runner: ModelRunner, bs: int, context: int, iters: int) -> dict[str,
 def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool) -> dict:
     command = [sys.executable, __file__, "--phase", "prepare", "--cache-dir", cache_dir, "--context", str(context),
                "--batch-sizes", ",".join(map(str, batch_sizes))] + (["--all-keys"] if all_keys else [])
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout  # its stderr: ours
     return json.loads(out.strip().splitlines()[-1])
 
 

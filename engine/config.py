@@ -30,7 +30,8 @@ class EngineConfig:
     ``compile``: run steps through torch.compile with encore's passes, one graph per graph key;
     ``cuda_graphs``: capture each key's step in a CUDA graph and replay it. None (the default) means
     on for CUDA, off for the CPU (where ``compile=True`` still works, on Inductor's CPU backend).
-    Every key is compiled (and captured) when the engine starts; a step that fits no key runs eager.
+    Every key is compiled (and captured) when the engine starts; a step that fits no key runs unpadded
+    on its mode's compiled graph, or eager where its mode has no key (or ``compile`` is off).
     The keys, ``GraphKey(num_extends, q_len_per_req, bs, num_tokens)``:
     DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (add 1 + k for speculative
     verify). Powers of two up to 64: padding wastes under half a step, and beyond 64 rows a decode

@@ -194,7 +194,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states of the step's tokens, or of ``token_ids`` only, [T, hidden];
         with EAGLE-3 on, each row continues with the target's auxiliary states ([T, 4 * hidden], see
-        DeepseekForCausalLM). Through the step's graph key when one holds it, else eager."""
+        DeepseekForCausalLM). Through the step's graph key when one holds it, else its mode's compiled
+        graph unpadded (graphs/runner.py), else eager."""
         if self.graphs is not None:
             ran = self.graphs.run(batch)
             if ran is not None:

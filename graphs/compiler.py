@@ -42,7 +42,8 @@ DeepSeek-V2-Lite shape the trace and the re-trace are most of a warm start's com
 layers, three families), which Inductor's own caches cannot skip. The loaded function checks its
 guards on every call; a call they reject runs the family's ordinary ``torch.compile`` entry, which
 compiles (counted like a recompile). An artifact that does not load is deleted with a warning and
-compiled again. What it was compiled from must not change under it: the cache's identity covers the
+compiled again; a family that cannot be precompiled (its guards reach an object that does not
+serialize) is compiled the ordinary way, with a warning. What it was compiled from must not change under it: the cache's identity covers the
 torch version and a digest of encore's own sources, so any edit to the model, the passes or the ops
 starts a new cache.
 
@@ -268,18 +269,28 @@ class CompiledFamily:
         self.backend.record.seconds += time.perf_counter() - start
         return precompiled
 
-    def _precompile(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> Callable:
-        with symbolic_sizes():
-            example = ((model, *step_inputs(key, batch)), {})
-            if hasattr(self.dynamo, "aot_compile"):
-                precompiled = self.dynamo.aot_compile(example)
-            else:
-                from torch._dynamo.hooks import Hooks
+    def _precompile(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> Callable | None:
+        """The family compiled ahead of time and saved; None (with a warning) where that fails, and
+        then the ordinary entry compiles it for this process only."""
+        compiles = self.backend.record.compiles
+        try:
+            with symbolic_sizes():
+                example = ((model, *step_inputs(key, batch)), {})
+                if hasattr(self.dynamo, "aot_compile"):
+                    precompiled = self.dynamo.aot_compile(example)
+                else:
+                    from torch._dynamo.hooks import Hooks
 
-                precompiled = _aot_compile_fullgraph()(self.entry, example, hooks=Hooks(), dynamic=False,
-                                                       backend=_saved_as_inductor_output(self.backend))
-        self.artifact.parent.mkdir(parents=True, exist_ok=True)
-        precompiled.save_compiled_function(str(self.artifact))  # written atomically by torch
+                    precompiled = _aot_compile_fullgraph()(self.entry, example, hooks=Hooks(), dynamic=False,
+                                                           backend=_saved_as_inductor_output(self.backend))
+            self.artifact.parent.mkdir(parents=True, exist_ok=True)
+            precompiled.save_compiled_function(str(self.artifact))  # written atomically by torch
+        except Exception as exc:  # noqa: BLE001 — whatever fails, the ordinary compile still serves
+            log.warning("the %s graph cannot be precompiled (%s: %s): compiling it for this process only, so a "
+                        "warm start will trace it again", self.backend.family.value, type(exc).__name__, exc)
+            self.backend.record.compiles = compiles  # the ordinary compile that follows is the one that counts
+            self.artifact = None
+            return None
         precompiled.disable_guard_check()
         return precompiled
 
@@ -312,6 +323,11 @@ class CompiledModel:
             step = self._compiled[family] = CompiledFamily(backend, artifact)
         self.records[family].keys.add(key)
         return step(self.model, key, batch)
+
+    def run_unkeyed(self, shape: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+        """Runs ``batch``, which no graph key holds (``shape``: its own sizes), unpadded on its family's
+        graph, which a key of that family built; not counted among the compiled keys."""
+        return self._compiled[shape.mode](self.model, shape, batch)
 
     @property
     def compiled_keys(self) -> int:

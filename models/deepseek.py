@@ -14,6 +14,7 @@ from torch import nn
 
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
+from encore.backends.mla_ops import latent_attention
 from encore.backends.moe import select_experts
 from encore.backends.rope import RotaryEmbedding
 from encore.models.config import ModelConfig
@@ -81,9 +82,9 @@ class MoE(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head latent attention: projections here, attention itself in the backend."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend | None) -> None:
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads = cfg.num_attention_heads
         self.qk_nope_head_dim = cfg.qk_nope_head_dim
         self.qk_rope_head_dim = cfg.qk_rope_head_dim
@@ -103,7 +104,8 @@ class MLAttention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.rotary = rotary
-        self.backend = backend
+        # [num_pages, page_size, R + dr]; no backend: a model built only to count its parameters.
+        self.kv_cache = backend.kv_caches[layer_id] if backend is not None else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.q_lora:
@@ -118,7 +120,7 @@ class MLAttention(nn.Module):
         # kv_b_proj rows are per head [k_nope (dn) | v (dv)]: W_kc [H, dn, R] and W_vc [H, dv, R] are views.
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_kc, w_vc = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        out = self.backend.forward(self.layer_id, q_nope, q_pe, kv_c, k_pe, w_kc, w_vc, batch)  # [T, H, dv]
+        out = latent_attention(q_nope, q_pe, kv_c, k_pe, w_kc, w_vc, self.kv_cache)  # [T, H, dv]
         return self.o_proj(out.flatten(1))
 
 
@@ -200,7 +202,7 @@ class DeepseekForCausalLM(nn.Module):
     the input of each of those layers, ascending: [T, (1 + len(aux_layers)) * hidden].
     ``compute_logits`` applies the head to the gathered rows' normed state only."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, with_mtp: bool = False,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, with_mtp: bool = False,
                  aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         if list(aux_layers) != sorted(set(aux_layers)) or not all(0 <= i <= cfg.num_hidden_layers for i in aux_layers):

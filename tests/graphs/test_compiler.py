@@ -4,6 +4,7 @@ counted and bounded per family."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 
 import pytest
@@ -91,3 +92,32 @@ def test_a_loaded_graph_whose_guards_reject_a_call_falls_back_to_dynamo_as_a_rec
         assert loaded(key, Batch(8, torch.int32)).tolist() == [2 * i for i in range(8)]
     assert loaded.compiled_graphs == 1 and loaded.recompiles == 1
     assert "DECODE graph is being recompiled" in caplog.text
+
+
+class Handle:
+    """Stands in for a kernel handle (flashinfer's JIT modules): readable, but it does not pickle."""
+
+    def __init__(self) -> None:
+        self.scale = 2
+        self.lock = threading.Lock()
+
+
+class ReadsHandle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.handle = Handle()
+
+    def forward(self, input_ids, positions, batch):
+        return input_ids * self.handle.scale + positions  # dynamo guards on the handle: it must be saved
+
+
+def test_a_family_that_cannot_be_precompiled_is_compiled_for_the_process_with_a_warning(tmp_path, caplog):
+    compiled = CompiledModel(ReadsHandle(), lambda family: [], compile_threads=1, artifacts=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="encore.graphs.compiler"):
+        for tokens in (8, 3):
+            got = compiled(GraphKey(0, 1, tokens, tokens), Batch(tokens))
+            assert got.tolist() == [2 * i for i in range(tokens)]
+    assert "DECODE graph cannot be precompiled" in caplog.text and "lock" in caplog.text
+    assert caplog.text.count("cannot be precompiled") == 1  # tried once per family
+    assert not (tmp_path / "decode.aot").exists()
+    assert compiled.compiled_graphs == 1 and compiled.recompiles == 0 and compiled.loaded_graphs == 0

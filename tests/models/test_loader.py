@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from encore.engine import Engine, SamplingParams
+from encore.models.deepseek import DeepseekForCausalLM
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -50,3 +51,11 @@ def test_wrong_shapes_are_named(v3_dir, tmp_path):
     path = copy_with(v3_dir, tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(3,\)"):
         Engine(path, device="cpu")
+
+
+def test_a_model_built_without_a_backend_has_the_loaded_models_parameters(v3_dir):
+    """How the KV pool is sized on CUDA: the model built on the meta device, with no backend or cache."""
+    engine = Engine(str(v3_dir), device="cpu")
+    with torch.device("meta"):
+        bare = DeepseekForCausalLM(engine.model_config, None)
+    assert sum(p.numel() for p in bare.parameters()) == sum(p.numel() for p in engine.runner.model.parameters())
