@@ -252,6 +252,20 @@ class CompiledFamily:
         with symbolic_sizes():
             return self.dynamo(model, *step_inputs(key, batch))
 
+    def run_built(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
+        """Like calling it, but only on a graph already built whose guards pass; None where the call
+        would compile (a step is never held up by the compiler)."""
+        if self.precompiled is not None:
+            inputs = (model, *step_inputs(key, batch, mark=False))
+            return self.precompiled(*inputs) if self.precompiled.guard_check(*inputs) else None
+        try:
+            with symbolic_sizes(), torch.compiler.set_stance("fail_on_recompile"):
+                return self.dynamo(model, *step_inputs(key, batch))
+        except RuntimeError as exc:
+            if "fail_on_recompile" not in str(exc):
+                raise
+            return None
+
     def _load(self) -> Callable | None:
         if not self.artifact.is_file():
             return None
@@ -324,10 +338,11 @@ class CompiledModel:
         self.records[family].keys.add(key)
         return step(self.model, key, batch)
 
-    def run_unkeyed(self, shape: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+    def run_unkeyed(self, shape: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
         """Runs ``batch``, which no graph key holds (``shape``: its own sizes), unpadded on its family's
-        graph, which a key of that family built; not counted among the compiled keys."""
-        return self._compiled[shape.mode](self.model, shape, batch)
+        graph, which a key of that family built; not counted among the compiled keys. None where that
+        graph's guards reject the step: it is not compiled for it (the caller runs it eager)."""
+        return self._compiled[shape.mode].run_built(self.model, shape, batch)
 
     @property
     def compiled_keys(self) -> int:

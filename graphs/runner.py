@@ -153,13 +153,16 @@ class GraphRunner:
     def _run_unpadded(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphKey] | None:
         """A step that no key holds, run at its own sizes on its family's compiled graph (which that
         family's keys built while preparing): the key returned is the step's own shape. None where
-        there is no such graph: the caller runs the step eager."""
+        there is no such graph, or its guards reject the step (nothing compiles while serving): the
+        caller runs the step eager."""
         if self.compiled is None or batch.mode not in self.families:
             return None
         key = GraphKey(batch.num_extends, batch.q_len_per_req, batch.bs, batch.num_tokens)
         with self.context.bind(batch):
             self.backend.plan(batch)
             hidden = self.compiled.run_unkeyed(key, batch)
+        if hidden is None:
+            return None
         self.compiled_steps += 1
         return hidden, key
 

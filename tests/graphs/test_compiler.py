@@ -121,3 +121,19 @@ def test_a_family_that_cannot_be_precompiled_is_compiled_for_the_process_with_a_
     assert caplog.text.count("cannot be precompiled") == 1  # tried once per family
     assert not (tmp_path / "decode.aot").exists()
     assert compiled.compiled_graphs == 1 and compiled.recompiles == 0 and compiled.loaded_graphs == 0
+
+
+@pytest.mark.parametrize("precompiled", [False, True])
+def test_a_step_no_key_holds_runs_on_the_built_graph_and_never_compiles(tmp_path, precompiled):
+    """Unkeyed steps (graphs/runner.py) run on the family's graph at their own size; one its guards
+    reject (another dtype) gets None, for the caller to run eager, and compiles nothing."""
+    key = GraphKey(0, 1, 8, 8)
+    artifacts = tmp_path if precompiled else None
+    compiled = CompiledModel(Doubler(), lambda family: [], compile_threads=1, artifacts=artifacts)
+    if precompiled:
+        CompiledModel(Doubler(), lambda family: [], compile_threads=1, artifacts=artifacts)(key, Batch(8))
+    compiled(key, Batch(8))
+    assert compiled.run_unkeyed(GraphKey(0, 1, 5, 5), Batch(5)).tolist() == [2 * i for i in range(5)]
+    assert compiled.run_unkeyed(GraphKey(0, 1, 5, 5), Batch(5, torch.int32)) is None
+    assert compiled.compiled_keys == 1 and compiled.recompiles == 0
+    assert (compiled.loaded_graphs, compiled.compiled_graphs) == ((1, 0) if precompiled else (0, 1))
