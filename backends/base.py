@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encore.backends.mla_ops import latent_attention
+from encore.backends import mla_ops  # noqa: F401  (registers torch.ops.encore.*, which backends serve)
 from encore.backends.metadata import ForwardBatch, ForwardMode
 
 
@@ -67,11 +67,6 @@ class AttentionBackend(abc.ABC):
         Runs outside any compiled graph, before every forward (and before every CUDA-graph replay,
         with the graph's static batch). ``static``: the batch is a graph key's static step, whose
         shapes (and, once captured, buffers) recur; a backend may keep per-shape state for it."""
-
-    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``latent_attention`` over layer ``layer_id``'s cache, for ``batch`` (bound in the step context)."""
-        return latent_attention(q_nope, q_pe, kv_c, k_pe, w_kc, w_vc, self.kv_caches[layer_id])
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:

@@ -43,9 +43,9 @@ layers, three families), which Inductor's own caches cannot skip. The loaded fun
 guards on every call; a call they reject runs the family's ordinary ``torch.compile`` entry, which
 compiles (counted like a recompile). An artifact that does not load is deleted with a warning and
 compiled again; a family that cannot be precompiled (its guards reach an object that does not
-serialize) is compiled the ordinary way, with a warning. What it was compiled from must not change under it: the cache's identity covers the
-torch version and a digest of encore's own sources, so any edit to the model, the passes or the ops
-starts a new cache.
+serialize) is compiled the ordinary way, with a warning. What it was compiled from must not change
+under it: the cache's identity covers the torch version and a digest of encore's own sources, so any
+edit to the model, the passes or the ops starts a new cache.
 
 Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
 code object, so families sharing one entry function would evict each other past the limit; with one
@@ -245,19 +245,18 @@ class CompiledFamily:
     def __call__(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
         if self.artifact is not None and self.precompiled is None:
             self.precompiled = self._load() or self._precompile(model, key, batch)
-        if self.precompiled is not None:
-            inputs = (model, *step_inputs(key, batch, mark=False))
-            if self.precompiled.guard_check(*inputs):
-                return self.precompiled(*inputs)
+        hidden = self._run_precompiled(model, key, batch)
+        if hidden is not None:
+            return hidden
         with symbolic_sizes():
             return self.dynamo(model, *step_inputs(key, batch))
 
     def run_built(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
         """Like calling it, but only on a graph already built whose guards pass; None where the call
         would compile (a step is never held up by the compiler)."""
-        if self.precompiled is not None:
-            inputs = (model, *step_inputs(key, batch, mark=False))
-            return self.precompiled(*inputs) if self.precompiled.guard_check(*inputs) else None
+        hidden = self._run_precompiled(model, key, batch)
+        if hidden is not None:
+            return hidden
         try:
             with symbolic_sizes(), torch.compiler.set_stance("fail_on_recompile"):
                 return self.dynamo(model, *step_inputs(key, batch))
@@ -265,6 +264,13 @@ class CompiledFamily:
             if "fail_on_recompile" not in str(exc):
                 raise
             return None
+
+    def _run_precompiled(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
+        """The precompiled graph's output, or None: there is none, or its guards reject the call."""
+        if self.precompiled is None:
+            return None
+        inputs = (model, *step_inputs(key, batch, mark=False))
+        return self.precompiled(*inputs) if self.precompiled.guard_check(*inputs) else None
 
     def _load(self) -> Callable | None:
         if not self.artifact.is_file():

@@ -117,7 +117,7 @@ def _engine_lines(stats: EngineStats) -> list[str]:
         *_family("encore_graph_replays_total", "counter", "Steps run by replaying a captured CUDA graph.",
                  [({}, stats.graph_replays)]),
         *_family("encore_compiled_steps_total", "counter",
-                 "Steps run by the compiled callable: no graph was captured for their key.",
+                 "Steps run compiled without a CUDA graph: none captured, or no graph key held the step.",
                  [({}, stats.compiled_steps)]),
         *_family("encore_eager_steps_total", "counter", "Steps run eagerly.", [({}, stats.eager_steps)]),
         *_family("encore_kernel_compiles_total", "counter",

@@ -9,6 +9,7 @@ import torch
 from encore.backends.base import MLADims
 from encore.backends.context import StepContext
 from encore.backends.metadata import ForwardBatch
+from encore.backends.mla_ops import latent_attention
 from encore.backends.torch_backend import TorchAttentionBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +76,7 @@ def run_backend(cls, batch: ForwardBatch, cache: torch.Tensor, inputs, dims: MLA
     backend = cls(caches, dims)
     backend.plan(batch, static)
     with StepContext(backend).bind(batch):
-        out = backend.forward(0, *inputs, batch)
+        out = latent_attention(*inputs, caches[0])
     return out, caches[0]
 
 
