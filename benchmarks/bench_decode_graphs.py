@@ -7,7 +7,12 @@ is timed three ways, each next to its floor: the bytes a step must read — the 
 (all dense weights, the routed experts the batch is expected to hit under uniform routing, the LM
 head) plus every row's latent KV — over the device-to-device copy bandwidth measured in the same run.
 Also measured, each in a fresh process: a cold warm-up (compile + capture of every key into an empty
-graph cache) and a warm start to ready (same cache: Inductor's work is read back, graphs recaptured).
+graph cache) and a warm start to ready (same cache: the families load precompiled, graphs are
+recaptured), each split into imports, building the model (random weights, KV cache, kernel warm-up)
+and preparing the keys. Python's bytecode cache is kept under the graph cache (PYTHONPYCACHEPREFIX):
+the cold run writes it, as installing a package does, and the warm start reads it. A second warm
+start runs with PYTHONDONTWRITEBYTECODE=1 and no prefix, which is what a machine whose Python
+packages ship without bytecode pays on every start.
 
     python benchmarks/bench_decode_graphs.py [--batch-sizes 1,64] [--context 1024] [--iters 30] [--json out.json]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -79,11 +85,18 @@ def engine_config(batch_sizes: list[int], context: int, cache_dir: str, all_keys
                         max_num_seqs=rows, graph_cache_dir=cache_dir, **keys)
 
 
-def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool = False) -> ModelRunner:
+def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool = False
+                ) -> tuple[ModelRunner, dict]:
+    """The runner with every key prepared, and how long building it and preparing the keys took."""
     config = engine_config(batch_sizes, context, cache_dir, all_keys)
+    begin = time.perf_counter()
     runner = ModelRunner(config, V2_LITE, config.max_model_len, build_model=build_random)
-    runner.prepare_graphs()
-    return runner
+    built = time.perf_counter()
+    reports = runner.prepare_graphs()
+    torch.cuda.synchronize()
+    timings = {"build_s": built - begin, "prepare_s": time.perf_counter() - built,
+               "keys": [{"key": str(r.key), "compile_s": r.compile_s, "capture_s": r.capture_s} for r in reports]}
+    return runner, timings
 
 
 def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, page_size: int = PAGE_SIZE,
@@ -173,10 +186,17 @@ def measure(runner: ModelRunner, bs: int, context: int, iters: int) -> dict[str,
     return results
 
 
-def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool) -> dict:
+def prepare_in_fresh_process(batch_sizes: list[int], context: int, cache_dir: str, all_keys: bool,
+                             bytecode_cache: bool) -> dict:
+    """``bytecode_cache``: Python reads and writes bytecode under ``cache_dir``; else it writes none."""
     command = [sys.executable, __file__, "--phase", "prepare", "--cache-dir", cache_dir, "--context", str(context),
                "--batch-sizes", ",".join(map(str, batch_sizes))] + (["--all-keys"] if all_keys else [])
-    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout  # its stderr: ours
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
+    if bytecode_cache:
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_dir, "pycache")
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout  # stderr: ours
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -194,17 +214,20 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
     if args.phase == "prepare":  # child: build, compile, capture; report the time to ready
-        begin = time.perf_counter()
-        runner = make_runner(batch_sizes, args.context, args.cache_dir, args.all_keys)
-        torch.cuda.synchronize()
-        print(json.dumps({"ready_s": time.perf_counter() - START, "prepare_s": time.perf_counter() - begin,
-                          "keys": len(runner.graphs.keys), "compiled_keys": runner.graph_stats()["compiled_keys"]}))
+        imports_s = time.perf_counter() - START
+        runner, timings = make_runner(batch_sizes, args.context, args.cache_dir, args.all_keys)
+        stats = runner.graph_stats()
+        print(json.dumps({"ready_s": time.perf_counter() - START, "imports_s": imports_s, **timings,
+                          "compiled_keys": stats["compiled_keys"], "loaded_graphs": stats["loaded_graphs"],
+                          "compiled_graphs": stats["compiled_graphs"]}))
         return
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="encore_graph_cache_")
-    cold = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys)
-    warm = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys)
-    runner = make_runner(batch_sizes, args.context, cache_dir, args.all_keys)
+    cold = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys, bytecode_cache=True)
+    warm = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys, bytecode_cache=True)
+    warm_no_bytecode = prepare_in_fresh_process(batch_sizes, args.context, cache_dir, args.all_keys,
+                                                bytecode_cache=False)
+    runner, _ = make_runner(batch_sizes, args.context, cache_dir, args.all_keys)
     for cache in runner.kv_caches:
         cache.normal_(0.0, 1.0)  # finite stand-ins for the rows' cached latents
     bandwidth = copy_bandwidth()
@@ -227,12 +250,19 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:<11} {r['bs']:>4} {r['ms']:>9.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>8.2f} "
               f"{r['tokens_per_s']:>9.0f} {r['weights_gb']:>11.2f} {r['kv_gb']:>7.3f}")
-    print(f"cold warm-up ({cold['keys']} keys, fresh process, empty cache): ready in {cold['ready_s']:.1f}s "
-          f"(compile + capture {cold['prepare_s']:.1f}s)")
-    print(f"warm start (same cache, fresh process): ready in {warm['ready_s']:.1f}s "
-          f"(compile + capture {warm['prepare_s']:.1f}s)")
+    for label, start in (("cold warm-up (fresh process, empty cache)", cold),
+                         ("warm start (same cache, fresh process)", warm),
+                         ("warm start, no bytecode written or found", warm_no_bytecode)):
+        keys = start["keys"]
+        slowest = max(keys, key=lambda k: k["compile_s"] + k["capture_s"])
+        print(f"{label}: ready in {start['ready_s']:.1f}s = imports {start['imports_s']:.1f}s + build "
+              f"{start['build_s']:.1f}s + {len(keys)} keys {start['prepare_s']:.1f}s (first calls "
+              f"{sum(k['compile_s'] for k in keys):.1f}s, captures {sum(k['capture_s'] for k in keys):.1f}s; "
+              f"slowest {slowest['key']} {slowest['compile_s']:.1f}s + {slowest['capture_s']:.2f}s); "
+              f"graphs compiled {start['compiled_graphs']}, loaded {start['loaded_graphs']}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth,
-              "rows": rows, "cold_warmup": cold, "warm_start": warm, "cache_dir": cache_dir}
+              "rows": rows, "cold_warmup": cold, "warm_start": warm, "warm_start_no_bytecode": warm_no_bytecode,
+              "cache_dir": cache_dir}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -36,13 +36,16 @@ class EngineConfig:
     DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (add 1 + k for speculative
     verify). Powers of two up to 64: padding wastes under half a step, and beyond 64 rows a decode
     step is long enough that launch overhead, which graphs remove, matters little.
-    MIXED: ``graph_mixed_extends`` prefill rows whose tokens pad up to a ``graph_prefill_tokens``
-    bucket, plus ``graph_mixed_decode_sizes`` decode rows. Small buckets on purpose: they catch the
-    steady state of a short prompt (or a prompt's last chunk) riding along running decodes; a step
-    with a long chunk is dominated by its prefill GEMMs and runs eager at little cost.
-    EXTEND: ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
+    MIXED: up to ``graph_mixed_extends`` prefill rows (fewer are padded with one-token rows on the
+    dummy page) whose tokens pad up to a ``graph_prefill_tokens`` bucket, plus
+    ``graph_mixed_decode_sizes`` decode rows. Small buckets on purpose: they catch the steady state of
+    a short prompt (or a prompt's last chunk) riding along running decodes (1), and a burst of
+    arrivals joining them (16); a step with a long chunk is dominated by its prefill GEMMs and runs
+    on the compiled graph without replay at little cost.
+    EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
     An empty size tuple makes no keys of that kind.
-    Keys with more tokens than ``max_num_batched_tokens`` or rows than ``max_num_seqs`` are dropped.
+    Decode rows are capped at what ``max_num_seqs`` leaves (the largest bucket then holds every
+    step); keys with more tokens than ``max_num_batched_tokens`` are dropped.
     ``detokenize``: False leaves text and stop strings to the caller (the server process does them).
     ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
     ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist
@@ -67,10 +70,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     graph_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     graph_q_lens: tuple[int, ...] = (1,)
-    graph_mixed_extends: tuple[int, ...] = (1,)
+    graph_mixed_extends: tuple[int, ...] = (1, 16)
     graph_mixed_decode_sizes: tuple[int, ...] = (4, 16, 64)
     graph_prefill_tokens: tuple[int, ...] = (128, 512)
-    graph_extend_sizes: tuple[int, ...] = (1,)
+    graph_extend_sizes: tuple[int, ...] = (1, 16)
     graph_cache_dir: str | None = None
     speculative: SpecConfig | dict | None = None
     detokenize: bool = True

@@ -1,9 +1,11 @@
 """Graph keys: the step shapes that get a compiled graph (and, on CUDA, a captured one).
 
 ``GraphKey(num_extends, q_len_per_req, bs, num_tokens)`` — DESIGN.md "One step, end to end", step 3.
-A key's prefill rows are exactly ``num_extends`` (never padded); its prefill tokens are a padded
-bucket, ``num_tokens - num_decodes * q_len_per_req`` of them; its decode rows are padded up to
-``bs - num_extends``. A step runs on the smallest key of its own mode that holds it.
+A key's prefill rows are padded up to ``num_extends`` (a padded row is a one-token prompt on the dummy
+page, graphs/padding.py); its prefill tokens are a padded bucket, ``num_tokens - num_decodes *
+q_len_per_req`` of them, which holds the real prefill tokens and one per padded prefill row; its
+decode rows are padded up to ``bs - num_extends``. A step runs on the smallest key of its own mode
+that holds it.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ class GraphKey(StepShape):
                              f"{self.num_extends} prefill rows (each needs at least one)")
 
     def holds(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` can run on this key once padded: same mode and prefill rows, same decode
-        q_len, no more decode rows or prefill tokens than the key has."""
-        if batch.mode is not self.mode or batch.num_extends != self.num_extends:
+        """Whether ``batch`` can run on this key once padded: same mode and decode q_len, no more
+        prefill rows, decode rows or prefill tokens (a token per padded prefill row included) than the
+        key has."""
+        if batch.mode is not self.mode or batch.num_extends > self.num_extends:
             return False
         if self.num_decodes and batch.q_len_per_req != self.q_len_per_req:
             return False
-        return batch.num_decodes <= self.num_decodes and batch.num_extend_tokens <= self.num_extend_tokens
+        pad_extends = self.num_extends - batch.num_extends
+        return (batch.num_decodes <= self.num_decodes
+                and batch.num_extend_tokens + pad_extends <= self.num_extend_tokens)
 
     def __str__(self) -> str:
         return (f"{self.mode.value}(extends={self.num_extends}, q_len={self.q_len_per_req}, "
@@ -56,15 +61,20 @@ def build_keys(decode_sizes: Iterable[int], q_lens: Iterable[int], mixed_extends
     DECODE: ``d`` rows of ``q`` tokens for d in decode_sizes, q in q_lens.
     MIXED: ``e`` prefill rows with a ``p``-token bucket plus ``d`` decode rows of ``q`` tokens.
     EXTEND: ``e`` prefill rows with a ``p``-token bucket.
+    No step has more than ``max_rows`` rows: a key's decode rows are capped at what is left of them
+    (so the largest bucket still holds every step of its kind), and a key whose prefill rows alone
+    exceed it is dropped, as is one over ``max_tokens`` tokens.
     """
     keys = set()
     q_lens = tuple(q_lens)
     for q in q_lens:
-        keys.update(GraphKey(0, q, d, d * q) for d in decode_sizes)
-        keys.update(GraphKey(e, q, e + d, p + d * q)
-                    for e in mixed_extends for d in mixed_decode_sizes for p in prefill_tokens if p >= e)
-    keys.update(GraphKey(e, 1, e, p) for e in extend_sizes for p in prefill_tokens if p >= e)
-    fitting = (k for k in keys if k.num_tokens <= max_tokens and k.bs <= max_rows)
+        keys.update(GraphKey(0, q, min(d, max_rows), min(d, max_rows) * q) for d in decode_sizes)
+        for e in mixed_extends:
+            for d in mixed_decode_sizes:
+                d = min(d, max_rows - e)
+                keys.update(GraphKey(e, q, e + d, p + d * q) for p in prefill_tokens if p >= e and d >= 1)
+    keys.update(GraphKey(e, 1, e, p) for e in extend_sizes for p in prefill_tokens if p >= e and e <= max_rows)
+    fitting = (k for k in keys if k.num_tokens <= max_tokens)
     return tuple(sorted(fitting, key=lambda k: (k.num_tokens, k.bs, k.num_extends, k.q_len_per_req), reverse=True))
 
 

@@ -2,21 +2,26 @@
 
 The buffers are allocated once at the largest key's size; a key's step is a set of leading views of
 them, so a CUDA graph captured on those views reads whatever the next step copies in. Layout of a
-padded step for key (E, q, bs, T), with n real prefill tokens, D real decode rows and
+padded step for key (E, q, bs, T), with e real prefill rows of n tokens, D real decode rows and
 P = T - (bs - E)·q prefill tokens in the bucket:
 
     tokens [0, n)           real prefill tokens
-    tokens [n, P)           padding owned by no row (qo_indptr[E] = n, so a ragged prefill kernel
-                            never sees them): token 0 at position 0, written to slot 0 of the
-                            dummy page; the backend must leave finite values in their output rows
+    tokens [n, n + E - e)   the padded prefill rows' tokens, one each
+    tokens [n + E - e, P)   padding owned by no row (qo_indptr[E] = n + E - e, so a ragged prefill
+                            kernel never sees them); the backend must leave finite values in their
+                            output rows
     tokens [P, P + D·q)     real decode tokens (qo_indptr[E + j] = P + j·q: offsets in the padded step)
-    tokens [P + D·q, T)     padded decode rows: token 0 at positions 0..q-1, seq_len q,
-                            page table all dummy page, so they write and read only that page
-    rows   [E + D, bs)      the padded decode rows
+    tokens [P + D·q, T)     padded decode rows' tokens: token 0 at positions 0..q-1
+    rows   [0, e)           the real prefill rows
+    rows   [e, E)           padded prefill rows: a one-token prompt (token 0 at position 0, seq_len 1)
+    rows   [E, E + D)       the real decode rows
+    rows   [E + D, bs)      padded decode rows: seq_len q
 
-Padded tokens only ever touch the dummy page (engine/kv_cache.py ``DUMMY_PAGE``): real rows never
-read it unmasked, and every padded query sees at least one finite key, so no NaN can reach the page.
-Their outputs are dropped: ``padded_index`` maps real token indices to padded ones.
+Every padded token is token 0, written to the dummy page (engine/kv_cache.py ``DUMMY_PAGE``): prefill
+padding to its slot 0, a padded decode row's tokens to slots 0..q-1; padded rows' page tables are all
+the dummy page, so they write and read only that page. Real rows never read it unmasked, and every
+padded query sees at least one finite key, so no NaN can reach the page. Padded outputs are dropped:
+``padded_index`` maps real token indices to padded ones (the token layout only moves decode tokens).
 """
 
 from __future__ import annotations
@@ -53,9 +58,9 @@ class StepBuffers:
         padded to ``key``; returns the step as views of the buffers."""
         q, E, T = key.q_len_per_req, key.num_extends, key.num_tokens
         P = key.num_extend_tokens
+        e = batch.num_extends if batch is not None else 0
         n = batch.num_extend_tokens if batch is not None else 0
         D = batch.num_decodes if batch is not None else 0
-        real_rows = batch.bs if batch is not None else 0
         width = self.max_pages if self.full_page_table or batch is None else batch.page_table.shape[1]
         if width > self.max_pages:
             raise ValueError(f"step uses {width} pages per row; the graph buffers hold {self.max_pages}")
@@ -80,33 +85,40 @@ class StepBuffers:
             slots[dec_end:T].copy_(offsets % self.page_size + DUMMY_PAGE * self.page_size)
 
         seq_lens, prefix_lens, indptr, table = self.seq_lens, self.prefix_lens, self.qo_indptr, self.page_table
+        real_decodes = slice(E, E + D)
         table[:key.bs, :width].fill_(DUMMY_PAGE)
-        if batch is not None:
-            seq_lens[:real_rows].copy_(batch.seq_lens)
-            prefix_lens[:real_rows].copy_(batch.prefix_lens)
-            indptr[:real_rows + 1].copy_(batch.qo_indptr)
-            table[:real_rows, :batch.page_table.shape[1]].copy_(batch.page_table)
-        if batch is None and E:  # an all-padding prefill: E empty rows, every prefill token is padding
-            seq_lens[:E].fill_(1)
-            prefix_lens[:E].zero_()
-            indptr[:E + 1].zero_()
-        if real_rows > E:
-            indptr[E + 1:real_rows + 1] += P - n  # real decode rows start after the prefill bucket
+        if batch is None:
+            indptr[0] = 0
+        else:
+            seq_lens[:e].copy_(batch.seq_lens[:e])
+            prefix_lens[:e].copy_(batch.prefix_lens[:e])
+            indptr[:e + 1].copy_(batch.qo_indptr[:e + 1])
+            table[:e, :batch.page_table.shape[1]].copy_(batch.page_table[:e])
+            seq_lens[real_decodes].copy_(batch.seq_lens[e:])
+            prefix_lens[real_decodes].copy_(batch.prefix_lens[e:])
+            indptr[E + 1:E + D + 1].copy_(batch.qo_indptr[e + 1:])
+            indptr[E + 1:E + D + 1] += P - n  # real decode rows start after the prefill bucket
+            table[real_decodes, :batch.page_table.shape[1]].copy_(batch.page_table[e:])
+        pad_extends = slice(e, E)
+        seq_lens[pad_extends].fill_(1)
+        prefix_lens[pad_extends].zero_()
+        indptr[e + 1:E + 1].copy_(n + self._pad_positions[1:E - e + 1])
         pad_rows = slice(E + D, key.bs)
         seq_lens[pad_rows].fill_(q)
         prefix_lens[pad_rows].zero_()
         indptr[E + D + 1:key.bs + 1].copy_(dec_end + q * self._pad_positions[1:key.bs - E - D + 1])
 
-        seq_cpu = list(batch.seq_lens_cpu) if batch is not None else [1] * E
-        prefix_cpu = list(batch.prefix_lens_cpu) if batch is not None else [0] * E
-        pad = key.bs - len(seq_cpu)
+        seq_cpu = list(batch.seq_lens_cpu) if batch is not None else []
+        prefix_cpu = list(batch.prefix_lens_cpu) if batch is not None else []
+        pad_decode_rows = key.bs - E - D
         return ForwardBatch(
             num_extends=E, q_len_per_req=q, bs=key.bs, num_tokens=T, page_size=self.page_size,
             input_ids=ids[:T], positions=pos[:T], slot_mapping=slots[:T],
             seq_lens=seq_lens[:key.bs], prefix_lens=prefix_lens[:key.bs], qo_indptr=indptr[:key.bs + 1],
             page_table=table[:key.bs, :width],
             gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else ids.new_zeros(0),
-            seq_lens_cpu=seq_cpu + [q] * pad, prefix_lens_cpu=prefix_cpu + [0] * pad,
+            seq_lens_cpu=seq_cpu[:e] + [1] * (E - e) + seq_cpu[e:] + [q] * pad_decode_rows,
+            prefix_lens_cpu=prefix_cpu[:e] + [0] * (E - e) + prefix_cpu[e:] + [0] * pad_decode_rows,
         )
 
 

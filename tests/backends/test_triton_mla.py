@@ -306,21 +306,25 @@ def test_decode_cuda_graph_replay_gpu(q_len):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [[(0, 1000), (0, 37)], [(0, 1000), (3000, 512), (16, 1), (8000, 200)]],
-                         ids=["no-prefix", "prefix"])
-def test_prefill_real_sizes_and_graph_gpu(rows):
-    q, k, v, qo, kv, prefix = make_prefill(rows, 16, 192, 128, torch.bfloat16)
-    out = torch.empty(q.shape[0], 16, 128, dtype=torch.bfloat16, device=DEVICE)
+@pytest.mark.parametrize("rows", [[(0, 1000), (0, 37)], [(0, 1000), (3000, 512), (16, 1), (8000, 200)],
+                                  [(0, 20)] * 16], ids=["no-prefix", "prefix", "short-rows"])
+@pytest.mark.parametrize("shape", [(16, 192, 128, torch.bfloat16, BF16_TOL), (4, 96, 32, torch.float32, 1e-4)],
+                         ids=["v2-lite-bf16", "tiny-fp32"])
+def test_prefill_real_sizes_and_graph_gpu(rows, shape):
+    """The default tiles of each dtype (``default_prefill_config``) at real head shapes."""
+    heads, dim, dim_v, dtype, tol = shape
+    q, k, v, qo, kv, prefix = make_prefill(rows, heads, dim, dim_v, dtype)
+    out = torch.empty(q.shape[0], heads, dim_v, dtype=dtype, device=DEVICE)
 
     def run():
-        mla_prefill(q, k, v, qo, kv, prefix, 192 ** -0.5, out)
+        mla_prefill(q, k, v, qo, kv, prefix, dim ** -0.5, out)
 
     run()
-    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 192 ** -0.5)) < BF16_TOL
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, dim ** -0.5)) < tol
     out.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     graph.replay()
-    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, 192 ** -0.5)) < BF16_TOL
+    assert max_rel_error(out, prefill_reference(q, k, v, qo, kv, prefix, dim ** -0.5)) < tol
 

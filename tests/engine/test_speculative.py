@@ -312,7 +312,8 @@ def test_eagle3_stochastic_run_is_reproducible_and_accepts(small_vocab_mtp, smal
 
 def test_eagle3_with_a_compiled_target_is_token_identical(eagle3_targets):
     """The auxiliary states come out of the compiled graphs (one output per key) as out of eager
-    steps; verify steps only (graph_q_lens = 1 + k), so three keys compile."""
+    steps. Decode keys for verify steps only (graph_q_lens = 1 + k): a DECODE and an EXTEND key
+    compile, and no MIXED key fits the 12-token step budget."""
     from graph_helpers import SMALL_KEYS, STAGGERED
 
     target, drafter, reference = eagle3_targets("v3")
@@ -322,6 +323,7 @@ def test_eagle3_with_a_compiled_target_is_token_identical(eagle3_targets):
     assert {r: o.token_ids for r, o in done.items()} == {r: t[:E3_GREEDY.max_tokens] for r, t in reference.items()}
     stats = engine.stats()
     # No MIXED key fits 12 tokens: those steps run eager; every other step runs compiled.
+    assert stats["compiled_keys"] == 2, stats
     assert stats["eager_steps"] == stats["steps"]["MIXED"] > 0 and stats["recompiles"] == 0, stats
     assert stats["compiled_steps"] + stats["eager_steps"] == sum(stats["steps"].values()), stats
 

@@ -25,12 +25,23 @@ def test_buckets_make_decode_mixed_and_extend_keys_within_the_budget():
     keys = build_keys(decode_sizes=(1, 2, 64), q_lens=(1, 3), mixed_extends=(1,), mixed_decode_sizes=(4,),
                       prefill_tokens=(8, 128), extend_sizes=(1, 2), max_tokens=130, max_rows=32)
     decode = {k for k in keys if k.mode is ForwardMode.DECODE}
-    assert decode == {GraphKey(0, 1, 1, 1), GraphKey(0, 1, 2, 2), GraphKey(0, 3, 1, 3), GraphKey(0, 3, 2, 6)}
+    assert decode == {GraphKey(0, 1, 1, 1), GraphKey(0, 1, 2, 2), GraphKey(0, 1, 32, 32),  # 64 rows capped at 32
+                      GraphKey(0, 3, 1, 3), GraphKey(0, 3, 2, 6), GraphKey(0, 3, 32, 96)}
     mixed = {k for k in keys if k.mode is ForwardMode.MIXED}
     assert mixed == {GraphKey(1, 1, 5, 12), GraphKey(1, 3, 5, 20)}  # the 128-token bucket exceeds the budget
     extend = {k for k in keys if k.mode is ForwardMode.EXTEND}
     assert extend == {GraphKey(1, 1, 1, 8), GraphKey(2, 1, 2, 8), GraphKey(1, 1, 1, 128), GraphKey(2, 1, 2, 128)}
     assert [k.num_tokens for k in keys] == sorted((k.num_tokens for k in keys), reverse=True)  # largest first
+
+
+def test_keys_cap_their_decode_rows_at_the_row_budget():
+    keys = build_keys(decode_sizes=(4, 64), q_lens=(1,), mixed_extends=(1, 16), mixed_decode_sizes=(4, 64),
+                      prefill_tokens=(32,), extend_sizes=(16, 64), max_tokens=1000, max_rows=48)
+    assert {k for k in keys if k.mode is ForwardMode.DECODE} == {GraphKey(0, 1, 4, 4), GraphKey(0, 1, 48, 48)}
+    assert {k for k in keys if k.mode is ForwardMode.MIXED} == {
+        GraphKey(1, 1, 5, 36), GraphKey(1, 1, 48, 32 + 47), GraphKey(16, 1, 20, 36), GraphKey(16, 1, 48, 32 + 32)}
+    assert {k for k in keys if k.mode is ForwardMode.EXTEND} == {GraphKey(16, 1, 16, 32)}  # 64 rows: over budget
+    assert all(k.bs <= 48 for k in keys)
 
 
 def test_step_runs_on_the_smallest_key_of_its_mode_that_holds_it():
@@ -43,8 +54,19 @@ def test_step_runs_on_the_smallest_key_of_its_mode_that_holds_it():
     assert table.find(Step(0, 0, 2, q_len=2)) is None  # no key with that q_len
     assert table.find(Step(1, 6, 3)) == GraphKey(1, 1, 5, 12)
     assert table.find(Step(1, 9, 3)) == GraphKey(1, 1, 9, 40)  # prefill tokens past the small bucket
-    assert table.find(Step(2, 6, 3)) is None  # num_extends is never padded
+    assert table.find(Step(2, 6, 3)) is None  # more prefill rows than any MIXED key
     assert table.find(Step(1, 5, 0)) == GraphKey(1, 1, 1, 8)  # EXTEND never runs on a MIXED key
+
+
+def test_prefill_rows_pad_up_to_the_key_with_a_token_each():
+    table = KeyTable([GraphKey(1, 1, 5, 12), GraphKey(4, 1, 8, 36), GraphKey(4, 1, 4, 16)])
+    assert table.find(Step(1, 6, 3)) == GraphKey(1, 1, 5, 12)  # the fewest padded rows first
+    assert table.find(Step(2, 30, 3)) == GraphKey(4, 1, 8, 36)  # 30 tokens + 2 padded rows' = the bucket's 32
+    assert table.find(Step(2, 31, 3)) is None  # no token left for the second padded row
+    assert table.find(Step(4, 32, 4)) == GraphKey(4, 1, 8, 36)
+    assert table.find(Step(5, 20, 1)) is None
+    assert table.find(Step(3, 15, 0)) == GraphKey(4, 1, 4, 16)
+    assert table.find(Step(3, 16, 0)) is None
 
 
 @pytest.mark.parametrize("fields, message", [

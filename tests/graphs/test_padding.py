@@ -40,6 +40,27 @@ def test_mixed_step_layout(history):
     assert padded.gather_ids.tolist() == padded_index(batch, key, batch.gather_ids).tolist()
 
 
+def test_prefill_rows_pad_to_one_token_prompts_on_the_dummy_page(history):
+    engine, batches = history
+    batch, key = batches["MIXED"], GraphKey(3, 1, 7, 12 + 4)  # 1 -> 3 prefill rows, 2 -> 4 decode rows
+    padded = buffers_for(engine, key).fill(key, batch)
+    assert (padded.num_extends, padded.bs, padded.num_tokens, padded.num_extend_tokens) == (3, 7, 16, 12)
+    # row 0: the real prompt [0, 5); rows 1, 2: a token each [5, 7); [7, 12) no row's; decodes from 12
+    assert padded.qo_indptr.tolist() == [0, 5, 6, 7, 13, 14, 15, 16]
+    assert padded.input_ids[5:12].tolist() == [0] * 7 and padded.positions[5:12].tolist() == [0] * 7
+    assert padded.input_ids[12:14].tolist() == batch.input_ids[5:].tolist()
+    dummy_row = [DUMMY_PAGE] * padded.page_table.shape[1]
+    real_seq, real_prefix = batch.seq_lens.tolist(), batch.prefix_lens.tolist()
+    assert padded.seq_lens.tolist() == real_seq[:1] + [1, 1] + real_seq[1:] + [1, 1]
+    assert padded.prefix_lens.tolist() == real_prefix[:1] + [0, 0] + real_prefix[1:] + [0, 0]
+    assert padded.seq_lens_cpu == padded.seq_lens.tolist() and padded.prefix_lens_cpu == padded.prefix_lens.tolist()
+    for row, source in ((0, 0), (3, 1), (4, 2)):
+        assert padded.page_table[row, :batch.page_table.shape[1]].tolist() == batch.page_table[source].tolist()
+    for row in (1, 2, 5, 6):
+        assert padded.page_table[row].tolist() == dummy_row
+    assert padded_index(batch, key, torch.arange(batch.num_tokens)).tolist() == [0, 1, 2, 3, 4, 12, 13]
+
+
 def test_full_page_table_keeps_its_width(history):
     engine, batches = history
     key = PADDED_KEYS["DECODE"]
@@ -47,10 +68,12 @@ def test_full_page_table_keeps_its_width(history):
     assert padded.page_table.shape == (4, engine.runner.max_pages_per_row)
 
 
-@pytest.mark.parametrize("mode", ["EXTEND", "DECODE", "MIXED"])
-def test_padded_step_gives_real_tokens_the_same_hidden_states(mode, history):
+@pytest.mark.parametrize("mode, key", [*PADDED_KEYS.items(), ("MIXED", GraphKey(3, 1, 7, 16)),
+                                       ("EXTEND", GraphKey(3, 1, 3, 8))],
+                         ids=[*PADDED_KEYS, "MIXED-padded-rows", "EXTEND-padded-rows"])
+def test_padded_step_gives_real_tokens_the_same_hidden_states(mode, key, history):
     engine, batches = history
-    batch, key = batches[mode], PADDED_KEYS[mode]
+    batch = batches[mode]
     runner = engine.runner
     caches_before = [c.clone() for c in runner.kv_caches]
     padded = buffers_for(engine, key).fill(key, batch)
@@ -70,7 +93,7 @@ def test_all_padding_step_writes_only_the_dummy_page(history):
     engine, _ = history
     runner = engine.runner
     before = [c[DUMMY_PAGE + 1:].clone() for c in runner.kv_caches]
-    for key in PADDED_KEYS.values():
+    for key in (*PADDED_KEYS.values(), GraphKey(3, 1, 7, 16)):
         padded = buffers_for(engine, key).fill(key, None)
         with torch.inference_mode(), runner.context.bind(padded):
             hidden = runner.model(padded.input_ids, padded.positions, padded)
