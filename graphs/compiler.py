@@ -375,8 +375,9 @@ class CompiledDrafter:
     """A model drafter's pass (``forward(batch, input_ids, hidden)``, engine/spec/drafters.py) compiled
     once for DECODE steps: the first pass over a verify step's 1 + k tokens per row and each q_len-1
     draft step run the same graph, their token count symbolic (ids, positions and the fed states
-    marked dynamic) and the passes specialized to the DECODE family. Only decode-only steps may call
-    it; a pass over prefill rows runs eager."""
+    marked dynamic, and so are the rows of the slot mapping and page table, which EAGLE-3's attention
+    op takes) and the passes specialized to the DECODE family. Only decode-only steps may call it; a
+    pass over prefill rows runs eager."""
 
     def __init__(self, forward: Callable, passes: Sequence[GraphPass], inductor: bool = True,
                  compile_threads: int | None = None) -> None:
@@ -389,7 +390,7 @@ class CompiledDrafter:
         if batch.num_extends:
             raise ValueError(f"the compiled drafter runs decode-only steps; this one has {batch.num_extends} "
                              "prefill rows")
-        for tensor in (input_ids, batch.positions, hidden):
+        for tensor in (input_ids, batch.positions, hidden, batch.slot_mapping, batch.page_table):
             torch._dynamo.mark_dynamic(tensor, 0)
         with symbolic_sizes():
             return self._compiled(self.forward, batch, input_ids, hidden)

@@ -12,6 +12,11 @@ token attends to its own row's keys up to its position, one masked SDPA over the
 pages; decode rows are uniform — one batched SDPA, query i of a row attending to the row's keys up
 to its own position (the prefix, then causal within the row). GQA through SDPA's ``enable_gqa``.
 Like the torch MLA backend it reads every page of the page table, masked past each position.
+
+A decode-only step (all a compiled drafter runs, graphs/compiler.py ``CompiledDrafter``) writes and
+attends in one custom op, ``encore::draft_decode_attention``, whose fake output is shaped like q: the
+rows and q_len are read from its tensors' sizes inside it, so dynamo keeps the token count, the rows
+and the table's width symbolic instead of specializing on them through the masks and views.
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ class DraftKVCache:
         if k.shape[1:] != (kv_heads, head_dim) or q.shape[0] != batch.slot_mapping.shape[0]:
             raise ValueError(f"draft attention got q {tuple(q.shape)} and k {tuple(k.shape)} for "
                              f"{batch.slot_mapping.shape[0]} slots; the cache holds {kv_heads} heads of {head_dim}")
-        self.cache.view(-1, 2, kv_heads, head_dim)[batch.slot_mapping] = torch.stack([k, v], dim=1).to(self.cache.dtype)
+        if not batch.num_extends:
+            return draft_decode_attention(q, k, v, self.cache, batch.slot_mapping, batch.page_table,
+                                          batch.positions, self.scale)
+        _write(self.cache, k, v, batch.slot_mapping)
         out = torch.empty_like(q)
         split = batch.num_extend_tokens
-        if batch.num_extends:
-            out[:split] = self._prefill(q[:split], batch)
+        out[:split] = self._prefill(q[:split], batch)
         if batch.num_decodes:
-            out[split:] = self._decode(q[split:], batch)
+            out[split:] = _decode(q[split:], self.cache, batch.page_table[batch.num_extends:],
+                                  batch.positions[split:], self.scale)
         return out
 
     def _prefill(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -54,13 +62,37 @@ class DraftKVCache:
                                            enable_gqa=True)  # [Hq, n, d]
         return o.transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        rows, q_len = batch.num_decodes, batch.q_len_per_req
-        kv = self.cache[batch.page_table[batch.num_extends:]].flatten(1, 2)  # [B, S, 2, Hkv, d]
-        positions = batch.positions[batch.num_extend_tokens:].view(rows, q_len)  # [B, q]
-        visible = torch.arange(kv.shape[1], device=q.device)[None, None, :] <= positions[..., None]  # [B, q, S]
-        o = F.scaled_dot_product_attention(
-            q.view(rows, q_len, *q.shape[1:]).transpose(1, 2),  # [B, Hq, q, d]
-            kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),  # [B, Hkv, S, d]
-            attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)  # [B, Hq, q, d]
-        return o.transpose(1, 2).flatten(0, 1)
+
+def _write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kv_heads, head_dim = cache.shape[-2:]
+    cache.view(-1, 2, kv_heads, head_dim)[slot_mapping] = torch.stack([k, v], dim=1).to(cache.dtype)
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Uniform decode rows: q [B * q_len, Hq, d], page_table [B, P], positions [B * q_len] -> [B * q_len, Hq, d]."""
+    rows = page_table.shape[0]
+    q_len = q.shape[0] // rows
+    kv = cache[page_table].flatten(1, 2)  # [B, S, 2, Hkv, d]
+    visible = torch.arange(kv.shape[1], device=q.device)[None, None, :] <= positions.view(rows, q_len)[..., None]
+    o = F.scaled_dot_product_attention(
+        q.view(rows, q_len, *q.shape[1:]).transpose(1, 2),  # [B, Hq, q, d]
+        kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),  # [B, Hkv, S, d]
+        attn_mask=visible[:, None], scale=scale, enable_gqa=True)  # [B, Hq, q, d]
+    return o.transpose(1, 2).flatten(0, 1)
+
+
+@torch.library.custom_op("encore::draft_decode_attention", mutates_args=("cache",))
+def draft_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """A decode-only step's K/V write at ``slot_mapping`` and its attention (``_decode``), contiguous as
+    the fake says (SDPA's output layout differs between devices and kernels)."""
+    _write(cache, k, v, slot_mapping)
+    return _decode(q, cache, page_table, positions, scale).contiguous()
+
+
+@draft_decode_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+      page_table: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)

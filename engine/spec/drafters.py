@@ -20,7 +20,6 @@ from encore.backends.metadata import ForwardBatch
 
 class ModelDrafter(Protocol):
     uses_step_context: bool  # its attention is the target's backend, reading the bound step
-    compiles: bool  # its pass compiles with a symbolic token count (graphs.compiler.CompiledDrafter)
 
     def first_input(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target forward's output for every token [T, *] -> the first pass's states [T, H_draft]."""
@@ -37,7 +36,6 @@ class MtpDrafter:
     Its attention is an MLA layer of the target's backend (its own latent cache layer)."""
 
     uses_step_context = True
-    compiles = True
 
     def __init__(self, model) -> None:
         self.mtp = model.mtp
@@ -57,11 +55,10 @@ class Eagle3Drafter:
     the normed state in the target's output), then its own pre-norm output. Its logits cover the
     target vocab, -inf off the draft vocab, so a stochastic draft's q is the draft distribution
     scattered to target ids (zero elsewhere). Its attention reads the batch directly
-    (draft_kv_cache.py), not the step context; being plain torch over the page table's span, it
-    specializes on the token count under dynamo, so its draft graphs capture it eager."""
+    (draft_kv_cache.py), not the step context: in a decode-only pass, one custom op over the batch's
+    tensors, so it compiles like the MTP layer."""
 
     uses_step_context = False
-    compiles = False
 
     def __init__(self, eagle3, target_hidden_size: int) -> None:
         self.eagle3 = eagle3

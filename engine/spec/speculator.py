@@ -74,7 +74,7 @@ class Speculator:
         self.compiled_drafter = None
         graphs = runner.graphs
         if self.model_drafter is not None and graphs is not None and graphs.cuda_graphs:
-            if graphs.compiled is not None and self.model_drafter.compiles:
+            if graphs.compiled is not None:
                 self.compiled_drafter = CompiledDrafter(self.model_drafter.forward,
                                                         graphs.compiled.passes_for(ForwardMode.DECODE),
                                                         compile_threads=graphs.compiled.compile_threads)

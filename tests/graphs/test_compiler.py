@@ -17,6 +17,7 @@ from encore.engine.spec.speculator import _decode_batch
 from encore.graphs.compiler import CompiledDrafter, CompiledModel
 from encore.graphs.keys import GraphKey
 from encore.passes.pipeline import passes_for
+from checkpoints import EAGLE3_SHAPE, write_eagle3_checkpoint
 
 
 class Doubler(nn.Module):
@@ -54,24 +55,36 @@ def test_a_family_compiles_once_for_all_its_sizes_and_recompiles_are_counted_the
     assert len(runs) == 2 + 1  # DECODE compiled twice (the bound), then ran uncompiled; EXTEND once
 
 
-def test_compiled_drafter_matches_the_eager_mtp_pass_at_every_step_size():
-    """The MTP drafter's pass compiled once (DECODE family, token count symbolic) gives the eager pass's
-    states at two step sizes (a q_len-1 draft step of 2 rows and of 4), and refuses prefill rows."""
-    engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
-    speculator, runner = engine.speculator, engine.runner
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, checkpoint, tmp_path):
+    """A drafter's pass compiled once (DECODE family, token count and rows symbolic) gives the eager
+    pass's states at two step sizes (a q_len-1 draft step of 2 rows and of 4), and refuses prefill
+    rows: the MTP layer (attention through the step context) and EAGLE-3's layer (its own attention
+    op over the batch's tensors)."""
+    if method == "mtp":
+        engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
+        width = engine.model_config.hidden_size
+    else:
+        drafter = write_eagle3_checkpoint(tmp_path)
+        engine = Engine(str(checkpoint("v3")), device="cpu", page_size=4,
+                        speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_model": str(drafter)})
+        width = EAGLE3_SHAPE["hidden_size"]
+    speculator = engine.speculator
     compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1)
     gen = torch.Generator().manual_seed(0)
     for rows in (2, 4):
         table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
         positions = torch.randint(3, 15, (rows,), generator=gen)
         ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
-        hidden = torch.randn(rows, engine.model_config.hidden_size, generator=gen)
+        hidden = torch.randn(rows, width, generator=gen)
         batch = _decode_batch(positions, table, 4, ids)
         with torch.inference_mode():
             want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
             got = speculator._drafter_pass(compiled, batch, ids, hidden)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert compiled.record.compiles == 1 and compiled.record.matches["MlaDispatchSplit"] == 1
+    assert compiled.record.compiles == 1
+    if method == "mtp":
+        assert compiled.record.matches["MlaDispatchSplit"] == 1
     prefill = replace(batch, num_extends=1)
     with pytest.raises(ValueError, match="decode-only steps; this one has 1 prefill rows"):
         compiled(prefill, ids, hidden)
