@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter's paged KV cache and its attention (plain torch: CPU and CUDA, eager).
+"""The EAGLE-3 drafter's paged KV cache and its attention (plain torch; a custom op in decode steps).
 
 The cache is indexed exactly like the target's latent cache — same pages, page tables and slot
 mapping (``page * page_size + offset``) — so it needs no allocator of its own: a request's pages
