@@ -6,7 +6,7 @@ prefills of two head shapes: encore-tiny's (H 4, D 96 = 64 + 32, Dv 32) and, in 
 Triton backend hands the kernel) and a few long ones. Each config runs in its own process (a launch
 that faults poisons its CUDA context, and the sweep goes on) and is checked against float32 SDPA
 (max |diff| / max |ref| over the first rows), then timed by replaying a CUDA graph of ten back-to-back
-calls (median of ten replays, per call).
+calls (median of ten replays, per call; ``tune_mla_decode.graph_us``).
 
     python benchmarks/tune_mla_prefill.py [--json PATH]
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 
@@ -34,6 +33,7 @@ CASES = {  # name: (shape, rows, new tokens per row, keys per row, dtypes)
 
 def run_case(dtype, config, shape: tuple[int, int, int], rows: int, q_len: int, span: int) -> dict:
     import torch
+    from tune_mla_decode import graph_us, max_rel_err
 
     from encore.backends.triton_mla import mla_prefill
 
@@ -50,32 +50,15 @@ def run_case(dtype, config, shape: tuple[int, int, int], rows: int, q_len: int, 
     def call():
         mla_prefill(q, k, v, qo, kv, prefix, dim ** -0.5, out, config=config)
 
-    call()
+    call()  # compiles the variant, outside the capture
     err = 0.0
     for r in range(min(rows, 4)):  # prefix 0: row r's queries see its first q_len keys, causally
         rq, rk = slice(r * q_len, (r + 1) * q_len), slice(r * span, r * span + q_len)
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[rq].float().transpose(0, 1), k[rk].float().transpose(0, 1), v[rk].float().transpose(0, 1),
             is_causal=True, scale=dim ** -0.5).transpose(0, 1)
-        err = max(err, ((out[rq].float() - ref).abs().max() / ref.abs().max()).item())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            call()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10)
-    return {"us": statistics.median(times), "rel_err": err}
+        err = max(err, max_rel_err(out[rq], ref))
+    return {"us": graph_us(call, calls=10, iters=10), "rel_err": err}
 
 
 def child(dtype_name: str, config: list[int]) -> None:

@@ -195,11 +195,14 @@ class ModelRunner:
         """Final-normed hidden states of the step's tokens, or of ``token_ids`` only, [T, hidden];
         with EAGLE-3 on, each row continues with the target's auxiliary states ([T, 4 * hidden], see
         DeepseekForCausalLM). Through the step's graph key when one holds it, else its mode's compiled
-        graph unpadded (graphs/runner.py), else eager."""
+        graph unpadded (graphs/runner.py), else eager. All tokens of a step with no padding among them
+        (any DECODE step) are a view of the graph's output, which the next step rewrites."""
         if self.graphs is not None:
             ran = self.graphs.run(batch)
             if ran is not None:
                 hidden, key = ran  # [key.num_tokens, hidden]
+                if token_ids is None and key.num_extend_tokens == batch.num_extend_tokens:
+                    return hidden[:batch.num_tokens]
                 wanted = token_ids if token_ids is not None else torch.arange(batch.num_tokens, device=self.device)
                 return hidden[padded_index(batch, key, wanted)]
         self.eager_steps += 1

@@ -67,50 +67,50 @@ class StepBuffers:
         dec_end = P + D * q
 
         ids, pos, slots = self.input_ids, self.positions, self.slot_mapping
-        if batch is not None:
+        if n:
             ids[:n].copy_(batch.input_ids[:n])
-            ids[P:dec_end].copy_(batch.input_ids[n:])
             pos[:n].copy_(batch.positions[:n])
-            pos[P:dec_end].copy_(batch.positions[n:])
             slots[:n].copy_(batch.slot_mapping[:n])
+        if D:
+            ids[P:dec_end].copy_(batch.input_ids[n:])
+            pos[P:dec_end].copy_(batch.positions[n:])
             slots[P:dec_end].copy_(batch.slot_mapping[n:])
-        ids[n:P].zero_()
-        ids[dec_end:T].zero_()
-        pos[n:P].zero_()
-        slots[n:P].fill_(DUMMY_PAGE * self.page_size)
-        pad_decode = (T - dec_end) // q
-        if pad_decode:
-            offsets = self._pad_positions[:q].repeat(pad_decode)  # [pad_decode * q]
+        if P > n:
+            ids[n:P].zero_()
+            pos[n:P].zero_()
+            slots[n:P].fill_(DUMMY_PAGE * self.page_size)
+        pad_decode_rows = key.bs - E - D  # their tokens: [dec_end, T)
+        if pad_decode_rows:
+            offsets = self._pad_positions[:q].repeat(pad_decode_rows)  # [pad_decode_rows * q]
+            ids[dec_end:T].zero_()
             pos[dec_end:T].copy_(offsets)
             slots[dec_end:T].copy_(offsets % self.page_size + DUMMY_PAGE * self.page_size)
 
+        # Rows. qo_indptr[0] is 0 from allocation and never written.
         seq_lens, prefix_lens, indptr, table = self.seq_lens, self.prefix_lens, self.qo_indptr, self.page_table
-        real_decodes = slice(E, E + D)
         table[:key.bs, :width].fill_(DUMMY_PAGE)
-        if batch is None:
-            indptr[0] = 0
-        else:
+        if e:
             seq_lens[:e].copy_(batch.seq_lens[:e])
             prefix_lens[:e].copy_(batch.prefix_lens[:e])
-            indptr[:e + 1].copy_(batch.qo_indptr[:e + 1])
+            indptr[1:e + 1].copy_(batch.qo_indptr[1:e + 1])
             table[:e, :batch.page_table.shape[1]].copy_(batch.page_table[:e])
-            seq_lens[real_decodes].copy_(batch.seq_lens[e:])
-            prefix_lens[real_decodes].copy_(batch.prefix_lens[e:])
-            indptr[E + 1:E + D + 1].copy_(batch.qo_indptr[e + 1:])
-            indptr[E + 1:E + D + 1] += P - n  # real decode rows start after the prefill bucket
-            table[real_decodes, :batch.page_table.shape[1]].copy_(batch.page_table[e:])
-        pad_extends = slice(e, E)
-        seq_lens[pad_extends].fill_(1)
-        prefix_lens[pad_extends].zero_()
-        indptr[e + 1:E + 1].copy_(n + self._pad_positions[1:E - e + 1])
-        pad_rows = slice(E + D, key.bs)
-        seq_lens[pad_rows].fill_(q)
-        prefix_lens[pad_rows].zero_()
-        indptr[E + D + 1:key.bs + 1].copy_(dec_end + q * self._pad_positions[1:key.bs - E - D + 1])
+        if D:
+            seq_lens[E:E + D].copy_(batch.seq_lens[e:])
+            prefix_lens[E:E + D].copy_(batch.prefix_lens[e:])
+            # Real decode rows start after the prefill bucket.
+            torch.add(batch.qo_indptr[e + 1:], P - n, out=indptr[E + 1:E + D + 1])
+            table[E:E + D, :batch.page_table.shape[1]].copy_(batch.page_table[e:])
+        if E > e:
+            seq_lens[e:E].fill_(1)
+            prefix_lens[e:E].zero_()
+            indptr[e + 1:E + 1].copy_(n + self._pad_positions[1:E - e + 1])
+        if pad_decode_rows:
+            seq_lens[E + D:key.bs].fill_(q)
+            prefix_lens[E + D:key.bs].zero_()
+            indptr[E + D + 1:key.bs + 1].copy_(dec_end + q * self._pad_positions[1:pad_decode_rows + 1])
 
-        seq_cpu = list(batch.seq_lens_cpu) if batch is not None else []
-        prefix_cpu = list(batch.prefix_lens_cpu) if batch is not None else []
-        pad_decode_rows = key.bs - E - D
+        seq_cpu = batch.seq_lens_cpu if batch is not None else []
+        prefix_cpu = batch.prefix_lens_cpu if batch is not None else []
         return ForwardBatch(
             num_extends=E, q_len_per_req=q, bs=key.bs, num_tokens=T, page_size=self.page_size,
             input_ids=ids[:T], positions=pos[:T], slot_mapping=slots[:T],
@@ -123,6 +123,9 @@ class StepBuffers:
 
 
 def padded_index(batch: ForwardBatch, key: GraphKey, token_ids: torch.Tensor) -> torch.Tensor:
-    """Token indices of ``batch`` -> indices of the same tokens in the step padded to ``key``."""
+    """Token indices of ``batch`` -> indices of the same tokens in the step padded to ``key``: the
+    decode tokens move past the prefill bucket's padding; where there is none (every DECODE step)
+    the indices are the same tensor."""
     n = batch.num_extend_tokens
-    return token_ids + (token_ids >= n) * (key.num_extend_tokens - n)
+    shift = key.num_extend_tokens - n
+    return token_ids + (token_ids >= n) * shift if shift else token_ids
