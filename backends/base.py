@@ -61,6 +61,12 @@ class AttentionBackend(abc.ABC):
         # engine's stats (``attention_fallback_steps``), never silent.
         self.fallback_steps = 0
 
+    @property
+    def slow_replans(self) -> int:
+        """Graph-step plans that took a backend's slower general planner where it has a fast one for
+        re-planning a graph's shape (reported as ``attention_slow_replans``)."""
+        return 0
+
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         """Host-side metadata for the step, prefill rows and decode rows planned separately.
 

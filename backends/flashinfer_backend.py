@@ -22,11 +22,19 @@ it runs on the Triton backend's kernels instead, counted in ``fallback_steps``.
 
 CUDA graphs: each static shape gets its own wrappers (``use_cuda_graph=True``, reserved metadata
 buffers), re-planned before every replay; flashinfer's fa2/fa3 MLA plans keep their workspace layout
-across re-plans of one shape, so a captured graph stays valid.
+across re-plans of one shape, so a captured graph stays valid. ``wrapper.plan`` validates its
+arguments in Python for ~0.7 ms a call (H200; its native planner takes ~0.1 ms), which at bs 1 was a
+fifth of a V2-Lite decode step. So a static shape is planned through ``wrapper.plan`` once, and
+every later plan calls the native planner behind it directly and refreshes the reserved metadata
+buffers (``_Replanner``), checking that the plan's layout is the one the graph captured. Where
+flashinfer's internals differ from what ``_Replanner`` reads, every plan takes ``wrapper.plan``,
+counted in ``slow_replans`` with one warning.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +42,8 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_backend import TritonAttentionBackend
+
+log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one, shared by every wrapper
 _MLA_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,13 +90,66 @@ def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, width: int) -> 
     return _Rows(qo_indptr, kv_indptr, kv_len, row * width + col)
 
 
+class _Replanner:
+    """Re-plans a CUDA-graph wrapper that ``wrapper.plan`` has planned once, through the native planner
+    that plan called (flashinfer's generated fa2/fa3 module), then refreshes the reserved metadata
+    buffers, as ``wrapper.plan`` does minus its argument checks. The plan's layout (workspace offsets,
+    grid) must stay the one the graph captured: a change raises instead of replaying a stale graph.
+    Of those checks only one depends on the rows' lengths: with a causal plan whose query tile (64 or
+    128 packed rows, as flashinfer's planner picks it) is not a multiple of the head count, flashinfer
+    refuses lengths at which its kernel would drop a visible key. Such a plan is left to
+    ``wrapper.plan`` (``__call__`` returns False); head counts of 16, 32, 64 or 128 never need it.
+
+    ``of`` returns None where the wrapper's internals are not the ones read here (another flashinfer
+    version or backend)."""
+
+    def __init__(self, backend) -> None:
+        self._plan = backend._cached_module.plan_with_staged_workspace_bytes
+        self._workspaces = (backend._float_workspace_buffer, backend._int_workspace_buffer,
+                            backend._pin_memory_int_workspace_buffer)
+        self._qo_indptr, self._kv_indptr = backend._qo_indptr_buf, backend._kv_indptr_buf
+        self._kv_indices, self._kv_len = backend._kv_indices_buf, backend._kv_len_arr_buf
+        self.layout = tuple(backend._plan_info)
+
+    @classmethod
+    def of(cls, wrapper) -> _Replanner | None:
+        backend = getattr(wrapper, "_planned_backend", None)
+        try:
+            return cls(backend)
+        except (AttributeError, TypeError):
+            return None
+
+    def __call__(self, rows: _Rows, kv_indices: torch.Tensor, num_heads: int, head_dim_ckv: int,
+                 causal: bool) -> bool:
+        """Re-plans, or returns False where ``wrapper.plan`` must check the lengths (class docstring)."""
+        if causal:
+            packed_per_row = int(rows.qo_indptr[-1]) * num_heads // rows.kv_len.numel()
+            if (128 if packed_per_row > 64 else 64) % num_heads:
+                return False
+        layout, _ = self._plan(*self._workspaces, rows.qo_indptr, rows.kv_indptr, rows.kv_len, num_heads,
+                               head_dim_ckv, causal)
+        if tuple(layout) != self.layout:
+            raise RuntimeError(f"flashinfer's MLA plan layout changed between re-plans of one graph shape "
+                               f"({self.layout} -> {tuple(layout)}); its captured graph would be stale")
+        self._qo_indptr.copy_(rows.qo_indptr, non_blocking=True)
+        self._kv_indptr.copy_(rows.kv_indptr, non_blocking=True)
+        self._kv_indices[:kv_indices.numel()].copy_(kv_indices, non_blocking=True)
+        self._kv_len.copy_(rows.kv_len, non_blocking=True)
+        return True
+
+
 class _MLAPlan:
     """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans own reserved
-    metadata buffers sized for ``rows`` rows of ``width`` pages (graph-capturable)."""
+    metadata buffers sized for ``rows`` rows of ``width`` pages (graph-capturable); after their first
+    plan they re-plan through a ``_Replanner`` when flashinfer allows it."""
 
     def __init__(self, workspace: torch.Tensor, rows: int | None, width: int | None) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
+        self.static = rows is not None
+        self.planned = False
+        self.replanner: _Replanner | None = None
+        self.slow_replans = 0  # static re-plans that went through wrapper.plan
         if rows is None:
             self.wrapper = BatchMLAPagedAttentionWrapper(workspace)
         else:
@@ -103,12 +166,23 @@ class _MLAPlan:
         from flashinfer.mla import MLAPlanMetadata
 
         kv_indices = page_table.flatten()[rows.flat_pages.to(page_table.device, non_blocking=True)]  # [pages]
+        if self.replanner is not None and self.replanner(rows, kv_indices, dims.num_heads, dims.kv_lora_rank, causal):
+            return
         metadata = MLAPlanMetadata.csr(qo_indptr=rows.qo_indptr, kv_indptr=rows.kv_indptr,
                                        kv_indices=kv_indices, kv_len_arr=rows.kv_len)
         self.wrapper.plan(metadata=metadata, num_heads=dims.num_heads, head_dim_ckv=dims.kv_lora_rank,
                           head_dim_kpe=dims.qk_rope_head_dim, page_size=page_size, causal=causal,
                           sm_scale=dims.softmax_scale, q_data_type=dtype, kv_data_type=kv_dtype,
                           query_layout="split", kv_cache_layout="packed")
+        if not self.static:
+            return
+        if self.planned:
+            self.slow_replans += 1
+            return
+        self.planned = True
+        self.replanner = _Replanner.of(self.wrapper)
+        if self.replanner is None:
+            _warn_slow_replans()
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
             cache: torch.Tensor) -> torch.Tensor:
@@ -117,6 +191,15 @@ class _MLAPlan:
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_kc.to(dtype)).contiguous()  # [T, H, R]
         o_lat = self.wrapper.run(query=(q_lat, q_pe.contiguous()), kv_cache=cache)  # [T, H, R]
         return torch.einsum("thr,hvr->thv", o_lat, w_vc.to(dtype))  # [T, H, dv]
+
+
+@functools.cache
+def _warn_slow_replans() -> None:
+    import flashinfer
+
+    log.warning("flashinfer %s: its MLA wrapper's internals are not the ones encore re-plans through; every "
+                "CUDA-graph step re-plans through BatchMLAPagedAttentionWrapper.plan (~0.7 ms slower a step)",
+                getattr(flashinfer, "__version__", "(unknown version)"))
 
 
 @dataclass(slots=True)
@@ -180,6 +263,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             plan.plan(_rows([q] * rows, seq[E:], page_size, width), batch.page_table[E:], self.dims, page_size,
                       q > 1, dtype, dtype)
             self._decode = plan
+
+    @property
+    def slow_replans(self) -> int:
+        return sum(plan.slow_replans for plan in self._static.values())
 
     def _static_plan(self, key: tuple, rows: int, width: int) -> _MLAPlan:
         plan = self._static.get(key + (width,))

@@ -223,6 +223,7 @@ class ModelRunner:
             "compiled_steps": graphs.compiled_steps if graphs is not None else 0,
             "eager_steps": self.eager_steps,
             "attention_fallback_steps": self.backend.fallback_steps,
+            "attention_slow_replans": self.backend.slow_replans,
             "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
             "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
             "loaded_graphs": compiled.loaded_graphs if compiled is not None else 0,

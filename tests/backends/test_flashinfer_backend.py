@@ -60,10 +60,17 @@ def test_device_planned_steps_take_the_triton_kernels():
     assert max_rel_error(got, want) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("replan", ["native", "wrapper"])
 @pytest.mark.parametrize("layout", ["decode-q1", "mixed-q3"])
-def test_static_plan_replays_in_a_cuda_graph(layout):
+def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
     """Capture once, then re-plan and replay on other lengths and pages in the same buffers: the replay
-    matches the reference on the new step (flashinfer keeps a shape's workspace layout across plans)."""
+    matches the reference on the new step (flashinfer keeps a shape's workspace layout across plans).
+    The re-plan goes through the native planner directly (``_Replanner``), or, where that is not
+    available, through ``wrapper.plan``, counted in ``slow_replans``."""
+    from encore.backends import flashinfer_backend
+
+    if replan == "wrapper":
+        monkeypatch.setattr(flashinfer_backend._Replanner, "of", classmethod(lambda cls, wrapper: None))
     extends, decodes, q_len = LAYOUTS[layout]
     first = make_step(extends, decodes, q_len, 16, torch.bfloat16, DIMS, seed=1)[0]
     grown = [(p + 3, n) for p, n in extends], [s + 25 for s in decodes]
@@ -98,6 +105,9 @@ def test_static_plan_replays_in_a_cuda_graph(layout):
     want, _ = run_backend(TorchAttentionBackend, second, caches[0], inputs, DIMS)
     keep = real_tokens(second)
     assert max_rel_error(out[keep], want[keep]) < TOL[torch.bfloat16]
+    plans = list(backend._static.values())
+    assert all((plan.replanner is not None) == (replan == "native") for plan in plans)
+    assert backend.slow_replans == (0 if replan == "native" else len(plans))
 
 
 GAP = 0.05  # logprob gap between the reference's top two tokens below which bf16 kernels may pick either
@@ -133,4 +143,5 @@ def test_engine_greedy_matches_the_torch_backend(tmp_path):
     assert compared >= 2 * len(prompts), compared
     stats = engine.stats()
     assert stats["graph_replays"] > 0 and stats["attention_fallback_steps"] == 0, stats
+    assert stats["attention_slow_replans"] == 0, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
