@@ -250,7 +250,8 @@ class Engine:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
+            sequence=req.token_ids,
+            num_output_tokens=req.num_output_tokens,
             text=req.detokenizer.text,
             new_token_ids=new_tokens,
             new_text=req.detokenizer.take_delta(req.finished),

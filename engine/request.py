@@ -77,11 +77,16 @@ class Request:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step: cumulative ``token_ids``/``text`` plus this step's deltas."""
+    """A request's state after a step: cumulative ``token_ids``/``text`` plus this step's deltas.
+
+    ``token_ids`` is sliced from the request's own token list when read (``sequence``, prompt then
+    output, which only ever grows), as it stood after this step: copying it into every step's output
+    cost O(output length) per request per step, while streaming callers read only the deltas."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    sequence: list[int] = field(repr=False)  # the request's prompt + output ids; later steps append to it
+    num_output_tokens: int
     text: str
     new_token_ids: list[int]
     new_text: str
@@ -90,3 +95,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_draft_tokens: int = 0  # speculative tokens drafted for this request so far
     num_accepted_tokens: int = 0  # of which the target accepted
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = len(self.prompt_token_ids)
+        return self.sequence[start:start + self.num_output_tokens]

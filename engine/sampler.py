@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from encore.engine.host_tensors import host_tensor
 from encore.engine.sampling_params import SamplingParams
 
 SAMPLE_SALT = 0  # salt of the draw in Sampler; other users of seeded_uniform pick other salts
@@ -82,11 +83,11 @@ class SamplingTensors:
         needs_output = needs_token_history(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         # Two host-to-device copies (one per dtype), split into per-field views on the device.
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
-                               [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
-                               [p.frequency_penalty for p in params]], dtype=torch.float32).to(device, non_blocking=True)
-        longs = torch.tensor([list(seeds), list(counters), [p.top_k for p in params]],
-                             dtype=torch.int64).to(device, non_blocking=True)
+        floats = host_tensor([p.temperature for p in params] + [p.top_p for p in params] + [p.min_p for p in params]
+                             + [p.repetition_penalty for p in params] + [p.presence_penalty for p in params]
+                             + [p.frequency_penalty for p in params], torch.float32).view(6, n).to(device, non_blocking=True)
+        longs = host_tensor([*seeds, *counters, *(p.top_k for p in params)], torch.int64).view(3, n).to(
+            device, non_blocking=True)
         return cls(
             temperature=floats[0],
             top_p=floats[1],

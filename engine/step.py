@@ -7,6 +7,7 @@ from itertools import accumulate
 import torch
 
 from encore.backends.metadata import ForwardBatch
+from encore.engine.host_tensors import host_tensor
 from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager
 from encore.engine.request import Request
 from encore.engine.sampler import SamplingTensors, needs_token_history
@@ -68,9 +69,8 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
     max_pages = max((len(t) for t in tables), default=0)
     flat_table = [page for t in tables for page in t + [0] * (max_pages - len(t))]  # [bs * max_pages]
     tokens, bs = len(input_ids), len(seq_lens)
-    longs = torch.tensor(input_ids + positions + slots + gather_ids, dtype=torch.int64).to(device, non_blocking=True)
-    ints = torch.tensor(seq_lens + prefix_lens + qo_indptr + flat_table,
-                        dtype=torch.int32).to(device, non_blocking=True)
+    longs = host_tensor(input_ids + positions + slots + gather_ids, torch.int64).to(device, non_blocking=True)
+    ints = host_tensor(seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32).to(device, non_blocking=True)
     return ForwardBatch(
         num_extends=num_extends,
         q_len_per_req=q_len_per_req,

@@ -26,7 +26,7 @@ from encore.engine import Engine, RequestOutput, SamplingParams
 from encore.engine.request import RequestStatus
 from encore.server.message_pipe import MessageReader, MessageWriter
 from encore.server.messages import (
-    Abort, Delta, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
+    Abort, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
 )
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 outputs = self._abort_all(f"{type(exc).__name__}: {exc}")
             self._note_scheduled()
-            self.outbox.send(StepResult([self._delta(o) for o in outputs], engine_stats(self.engine)))
+            self.outbox.send(StepResult([self._delta_row(o) for o in outputs], engine_stats(self.engine)))
 
     def _take_commands(self, block: bool) -> bool:
         """Applies the commands that have arrived, first waiting for one if ``block``. False on
@@ -182,13 +182,14 @@ class EngineLoop:
                 self.queue_times[request_id] = now - arrival
                 del self.unscheduled[request_id]
 
-    def _delta(self, out: RequestOutput) -> Delta:
+    def _delta_row(self, out: RequestOutput) -> tuple:
+        """The request's ``Delta``, as the plain tuple a ``StepResult`` carries (messages module)."""
         n = len(out.new_token_ids)
-        return Delta(
-            request_id=out.request_id,
-            token_ids=out.new_token_ids,  # pickled at once by the send: no copy needed
-            logprobs=out.logprobs[len(out.logprobs) - n:] if out.logprobs is not None else None,
-            finish_reason=out.finish_reason if out.finished else None,
-            queue_time=self.queue_times.pop(out.request_id, None),
-            num_accepted_tokens=out.num_accepted_tokens,
+        return (
+            out.request_id,
+            out.new_token_ids,  # pickled at once by the send: no copy needed
+            out.logprobs[len(out.logprobs) - n:] if out.logprobs is not None else None,
+            out.finish_reason if out.finished else None,
+            self.queue_times.pop(out.request_id, None) if self.queue_times else None,
+            out.num_accepted_tokens,
         )

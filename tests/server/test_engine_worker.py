@@ -39,7 +39,7 @@ class _Stepper:
         finished = self.done == STEPS
         if finished:
             self.commands.send(Shutdown())
-        return [RequestOutput(f"r{row}", [], [], "", [self.done * 1000 + row] * TOKENS, "", finished,
+        return [RequestOutput(f"r{row}", [], [], 0, "", [self.done * 1000 + row] * TOKENS, "", finished,
                               "length" if finished else None) for row in range(ROWS)]
 
     def stats(self) -> dict:
