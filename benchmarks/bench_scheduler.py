@@ -1,6 +1,6 @@
 """Host cost of one step's scheduling + step building + sampling tensors, at bs = 64 (CPU only).
 
-Floor: the same step's tensors built from ready-made Python lists (the torch.tensor calls alone),
+Floor: the same step's tensors built from ready-made Python lists (the ``host_tensor`` calls alone),
 measured in the same run; the gap to it is encore's Python bookkeeping.
 
     python benchmarks/bench_scheduler.py [--bs 64] [--context 1024] [--json out.json]
@@ -15,6 +15,7 @@ import time
 import torch
 
 from encore.engine.detokenizer import IncrementalDetokenizer
+from encore.engine.host_tensors import host_tensor
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.request import Request, RequestStatus
 from encore.engine.sampling_params import SamplingParams
@@ -51,17 +52,11 @@ def one_step(sched: Scheduler) -> None:
 
 
 def floor_step(n_tokens: int, bs: int, max_pages: int, n_logits: int) -> None:
-    ints = list(range(n_tokens))
-    rows = list(range(bs))
-    for data in (ints, ints, ints):
-        torch.tensor(data, dtype=torch.int64)
-    for data in (rows, rows, rows + [0]):
-        torch.tensor(data, dtype=torch.int32)
-    torch.tensor([[0] * max_pages] * bs, dtype=torch.int32)
-    logits_rows = list(range(n_logits))
-    torch.tensor(logits_rows, dtype=torch.int64)
-    for _ in range(9):
-        torch.tensor(logits_rows, dtype=torch.float32)
+    """The step's host tensors from ready lists, one per dtype as the engine builds them."""
+    host_tensor([0] * (3 * n_tokens + n_logits), torch.int64)  # ids, positions, slots, logits rows
+    host_tensor([0] * (3 * bs + 1 + bs * max_pages), torch.int32)  # lengths, qo_indptr, page table
+    host_tensor([0.0] * (6 * n_logits), torch.float32)  # sampling parameters
+    host_tensor([0] * (3 * n_logits), torch.int64)  # seeds, counters, top-k
 
 
 def timed(fn, iters: int) -> float:
