@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from encore.backends.host_tensors import host_tensor
 from encore.engine.detokenizer import IncrementalDetokenizer
-from encore.engine.host_tensors import host_tensor
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.request import Request, RequestStatus
 from encore.engine.sampling_params import SamplingParams

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from encore.engine.host_tensors import host_tensor
+from encore.backends.host_tensors import host_tensor
 from encore.engine.sampling_params import SamplingParams
 
 SAMPLE_SALT = 0  # salt of the draw in Sampler; other users of seeded_uniform pick other salts

@@ -6,8 +6,8 @@ from itertools import accumulate
 
 import torch
 
+from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch
-from encore.engine.host_tensors import host_tensor
 from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager
 from encore.engine.request import Request
 from encore.engine.sampler import SamplingTensors, needs_token_history

@@ -110,6 +110,18 @@ def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
     assert backend.slow_replans == (0 if replan == "native" else len(plans))
 
 
+def test_a_native_replan_whose_layout_changed_raises():
+    """The native re-plan checks that the plan keeps the layout a captured graph was built on: a
+    different one raises instead of replaying a stale graph."""
+    batch, cache, _ = make_step([], [5, 40, 77], 1, 16, torch.bfloat16, DIMS)
+    backend = backend_cls()([cache.clone()], DIMS)
+    backend.plan(batch, static=True)
+    (plan,) = backend._static.values()
+    plan.replanner.layout = ()  # as if the first plan had laid the workspace out otherwise
+    with pytest.raises(RuntimeError, match="plan layout changed"):
+        backend.plan(batch, static=True)
+
+
 GAP = 0.05  # logprob gap between the reference's top two tokens below which bf16 kernels may pick either
 
 
