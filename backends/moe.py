@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from encore.models.config import ModelConfig
 
 
-def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, cfg: ModelConfig
+def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+                   topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek routing. router_logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64).
+    """DeepSeek routing (the ModelConfig fields of the same names). router_logits [T, E] float32 ->
+    (weights [T, k] float32, ids [T, k] int64).
 
     V2: softmax scores, optionally group-limited (max score per group); weights are normalized
     when ``norm_topk_prob`` else scaled by ``routed_scaling_factor``.
@@ -19,31 +20,66 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, cfg: 
     ranked by the sum of their two best; weights are the unbiased scores, optionally normalized, then
     scaled by ``routed_scaling_factor``.
     """
-    k = cfg.num_experts_per_tok
-    if cfg.scoring_func == "softmax":
+    k = top_k
+    if scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
     else:
         scores = router_logits.sigmoid()
     choice = scores if bias is None else scores + bias.float()
-    if cfg.topk_method in ("group_limited_greedy", "noaux_tc") and cfg.n_group > 1:
-        grouped = choice.view(choice.shape[0], cfg.n_group, -1)  # [T, G, E / G]
-        if cfg.topk_method == "noaux_tc":
+    if topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)  # [T, G, E / G]
+        if topk_method == "noaux_tc":
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         else:
             group_scores = grouped.max(dim=-1).values
-        group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_ids = group_scores.topk(topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
-        fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
+        fill = float("-inf") if topk_method == "noaux_tc" else 0.0
         choice = grouped.masked_fill(~group_mask[..., None], fill).flatten(1)
     ids = choice.topk(k, dim=-1, sorted=False).indices  # [T, k]
     weights = scores.gather(1, ids)
-    if cfg.scoring_func == "sigmoid":
-        if cfg.norm_topk_prob:
+    if scoring_func == "sigmoid":
+        if norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
-    if k > 1 and cfg.norm_topk_prob:
+        return weights * routed_scaling_factor, ids
+    if k > 1 and norm_topk_prob:
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
-    return weights * cfg.routed_scaling_factor, ids
+    return weights * routed_scaling_factor, ids
+
+
+@torch.library.custom_op("encore::route", mutates_args=())
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+          topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: logits = x · weightᵀ in float32 (as transformers computes them), then
+    ``select_experts``. x [T, H], weight [E, H] -> (weights [T, k] float32, ids [T, k] int64). CPU: the
+    reference; CUDA: a 16-bit GEMM with float32 output (products of 16-bit values are exact in float32:
+    only the summation order differs from a float32 GEMM, and no cast of x or the weight is made) and
+    the selection in one Triton kernel (``routing_triton``)."""
+    return select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method, n_group,
+                          topk_group, norm_topk_prob, routed_scaling_factor)
+
+
+@route.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    from encore.backends.routing_triton import select_experts_triton  # triton is imported on first use
+
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    else:
+        logits = F.linear(x.float(), weight.float())
+    return select_experts_triton(logits, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
+                                 routed_scaling_factor)
+
+
+@route.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
+    return x.new_empty(rows, top_k, dtype=torch.float32), x.new_empty(rows, top_k, dtype=torch.int64)
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -14,8 +14,8 @@ from torch import nn
 
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
+from encore.backends.moe import route, routed_experts
 from encore.backends.mla_ops import latent_attention
-from encore.backends.moe import select_experts
 from encore.backends.rope import RotaryEmbedding
 from encore.models.config import ModelConfig
 
@@ -70,10 +70,13 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        weights, ids = select_experts(router_logits, self.gate.e_score_correction_bias, self.cfg)
-        # An op: the expert computation has host-dependent shapes that no compiled graph may trace.
-        out = torch.ops.encore.routed_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        cfg = self.cfg
+        # Ops: one routing kernel on the GPU, and expert computation whose host-dependent shapes no
+        # compiled graph may trace.
+        weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                             cfg.scoring_func, cfg.topk_method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                             cfg.routed_scaling_factor)
+        out = routed_experts(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

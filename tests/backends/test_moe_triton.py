@@ -1,4 +1,5 @@
-"""The Triton fused MoE (alignment and kernels) against the reference ``experts_torch``.
+"""The Triton fused MoE (alignment and kernels) against the reference ``experts_torch``, and the
+Triton expert selection against ``select_experts``.
 
 Without CUDA the kernels run in Triton's interpreter, on tiny shapes; TRITON_INTERPRET must be set
 before triton is first imported, so when another module imported it first the CPU tests skip and
@@ -21,9 +22,10 @@ INTERPRETER_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.module
 if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch  # noqa: E402
+from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch, select_experts  # noqa: E402
 from encore.backends.moe_triton import (  # noqa: E402
     FusedMoEConfig, align_pairs, config_token_counts, default_config, fused_moe, max_blocks)
+from encore.backends.routing_triton import select_experts_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)  # several N and K tiles
@@ -168,6 +170,84 @@ def test_config_token_counts_reach_every_config_once(max_tokens):
     assert set(used) == {default_config(tokens, torch.bfloat16) for tokens in range(1, max_tokens + 1)}
 
 
+# ---------------------------------------------------------------- expert selection (CPU: interpreter)
+
+# (top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob, routed_scaling_factor, experts, bias)
+ROUTINGS = {
+    "v2-lite": (6, "softmax", "greedy", 1, 1, False, 1.0, 64, False),
+    "v2": (6, "softmax", "group_limited_greedy", 8, 3, False, 16.0, 160, False),
+    "v2-renorm": (6, "softmax", "greedy", 1, 1, True, 1.0, 64, False),
+    "v3": (8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, 256, True),
+    "encore-tiny": (2, "sigmoid", "noaux_tc", 4, 2, True, 2.5, 16, True),
+    "sigmoid-plain": (3, "sigmoid", "greedy", 1, 1, False, 1.5, 24, True),
+}
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (ids, weights) ordered by expert id: the reference's top-k order is unspecified."""
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+def routing_case(name: str, tokens: int, seed: int = 0):
+    k, scoring, method, groups, top_groups, norm, scale, experts, has_bias = ROUTINGS[name]
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, experts, generator=gen) * 2).to(DEVICE)
+    bias = (torch.randn(experts, generator=gen) * 0.1).to(DEVICE) if has_bias else None
+    return logits, bias, (k, scoring, method, groups, top_groups, norm, scale)
+
+
+@in_process
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_select_experts_matches_reference(name, tokens):
+    """Same experts and weights as ``select_experts`` (softmax / sigmoid, bias, max or top-2 group
+    scores, renormalized or scaled), ids best first, over rows that span several programs."""
+    logits, bias, params = routing_case(name, tokens)
+    weights, ids = select_experts_triton(logits, bias, *params)
+    want_weights, want_ids = by_expert(*select_experts(logits, bias, *params))
+    got_weights, got_ids = by_expert(weights, ids)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+    choice = logits.softmax(-1) if params[1] == "softmax" else logits.sigmoid()
+    if bias is not None:
+        choice = choice + bias
+    ranked = choice.gather(1, ids)
+    assert (ranked[:, :-1] >= ranked[:, 1:]).all()  # best first
+
+
+@in_process
+def test_select_experts_edge_rows():
+    """No tokens: empty outputs. A NaN row still names experts that exist (the MoE kernels index
+    weights with them); the other rows are unaffected."""
+    logits, bias, params = routing_case("v3", 3)
+    weights, ids = select_experts_triton(logits[:0], bias, *params)
+    assert weights.shape == ids.shape == (0, 8)
+    logits[1] = float("nan")
+    weights, ids = select_experts_triton(logits, bias, *params)
+    assert ((ids >= 0) & (ids < 256)).all()
+    want_weights, want_ids = by_expert(*select_experts(logits[[0, 2]], bias, *params))
+    got_weights, got_ids = by_expert(weights[[0, 2]], ids[[0, 2]])
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+@in_process
+def test_select_experts_rejects_bad_inputs():
+    logits, bias, params = routing_case("v3", 2)
+    with pytest.raises(ValueError, match="float32"):
+        select_experts_triton(logits.half(), bias, *params)
+    with pytest.raises(ValueError, match="top_k=300"):
+        select_experts_triton(logits, bias, 300, *params[1:])
+    with pytest.raises(ValueError, match="n_group=7"):
+        select_experts_triton(logits, bias, params[0], params[1], params[2], 7, 4, *params[5:])
+    with pytest.raises(ValueError, match="scoring_func 'tanh'"):
+        select_experts_triton(logits, bias, params[0], "tanh", *params[2:])
+    with pytest.raises(ValueError, match=r"bias \(255,\)"):
+        select_experts_triton(logits, bias[:255], *params)
+
+
 @pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
 def test_cpu_tests_in_child_process():
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
@@ -279,3 +359,36 @@ def test_op_dispatch_by_pairs_gpu(layer, dtype):
         grouped = dtype == torch.bfloat16 and ids.numel() > FUSED_MOE_MAX_PAIRS
         want = (experts_grouped if grouped else fused_moe)(x, w13, w2, weights, ids)
         assert torch.equal(torch.ops.encore.routed_experts(x, w13, w2, weights, ids), want), (tokens, grouped)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name,hidden", [("v2-lite", 2048), ("v3", 7168), ("encore-tiny", 192)])
+def test_route_op_matches_reference_gpu(name, hidden, dtype):
+    """``encore::route`` on CUDA (a 16-bit GEMM with float32 output, or a float32 GEMM, then the
+    selection kernel) against the CPU reference (float32 logits of the same values) at decode and
+    prefill sizes, and inside a CUDA graph."""
+    k, scoring, method, groups, top_groups, norm, scale, experts, has_bias = ROUTINGS[name]
+    gen = torch.Generator().manual_seed(1)
+    params = (k, scoring, method, groups, top_groups, norm, scale)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).to(dtype)
+    bias = (torch.randn(experts, generator=gen) * 0.1).to(dtype) if has_bias else None
+    on = lambda t: None if t is None else t.cuda()  # noqa: E731
+    for tokens in (1, 64, 700):
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+        want_weights, want_ids = by_expert(*torch.ops.encore.route(x, weight, bias, *params))  # CPU reference
+        got_weights, got_ids = by_expert(*torch.ops.encore.route(on(x), on(weight), on(bias), *params))
+        # A GEMM's summation order may swap two experts whose scores tie to ~1e-6: allow one row in 200.
+        same = (got_ids.cpu() == want_ids).all(dim=1)
+        assert same.float().mean() >= 1 - 1 / 200, (tokens, (~same).sum().item())
+        torch.testing.assert_close(got_weights.cpu()[same], want_weights[same], rtol=1e-4, atol=1e-5)
+    static, weight, bias = on(x[:64].clone()), on(weight), on(bias)
+    torch.ops.encore.route(static, weight, bias, *params)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.encore.route(static, weight, bias, *params)
+    static.copy_(on(x[64:128]))
+    graph.replay()
+    want = torch.ops.encore.route(on(x[64:128]), weight, bias, *params)
+    assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
