@@ -2,8 +2,9 @@
 requests stepped by an Engine in-process (the peer, measured in the same run).
 
 Both sides run the same greedy requests (text prompts, ``ignore_eos``, ``max_tokens`` each) submitted
-at once, and must produce the same tokens. TTFT is from submission to the first token, TPOT the
-mean gap between a request's later tokens, throughput all output tokens over the wall time. The
+at once, and must produce the same tokens. TTFT is from a request's own submission (its
+``add_request``, or its client's call) to its first token, TPOT the mean gap between a request's later
+tokens, throughput all output tokens over the wall time from the first submission to the last token. The
 server runs as its own process (``python -m encore.server.cli serve``, which spawns the engine
 process); the clients are asyncio streams in ``--client-processes`` processes (the streams dealt
 out round-robin, each trial started in all of them at once through a barrier): one Python process
@@ -11,7 +12,7 @@ receiving 64 streams' messages is a bottleneck of its own, which real clients, o
 share. On a machine with few cores the processes compete for them, which is part of what this measures.
 
     python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 3]
-        [--client-processes 4] [--json out.json]
+        [--client-processes 8] [--json out.json]
 
 Each side runs the requests ``--trials`` times (one engine, one server) and reports each metric's
 median over its trials: one run of a tiny model lasts well under a second, and single runs scatter.
@@ -42,8 +43,8 @@ def prompts(n: int, words: int) -> list[str]:
     return [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(words)) for i in range(n)]
 
 
-def summarize(starts: list[float], firsts: list[float], ends: list[float], counts: list[int], wall: float) -> dict:
-    ttft = [f - s for s, f in zip(starts, firsts)]
+def summarize(sends: list[float], firsts: list[float], ends: list[float], counts: list[int], wall: float) -> dict:
+    ttft = [f - s for s, f in zip(sends, firsts)]
     tpot = [(e - f) / (n - 1) for f, e, n in zip(firsts, ends, counts) if n > 1]
     return {"ttft_ms_mean": 1e3 * statistics.mean(ttft), "ttft_ms_p50": 1e3 * statistics.median(ttft),
             "tpot_ms_mean": 1e3 * statistics.mean(tpot), "tpot_ms_p50": 1e3 * statistics.median(tpot),
@@ -63,7 +64,9 @@ def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int, trial
         before = engine.stats()
         n = len(texts)
         start = time.perf_counter()
+        sends = [0.0] * n
         for i, text in enumerate(texts):
+            sends[i] = time.perf_counter()
             engine.add_request(f"t{trial}-{i}", text, params)
         firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
         while engine.has_unfinished_requests():
@@ -76,7 +79,7 @@ def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int, trial
                 if out.finished:
                     ends[i] = now
         wall = time.perf_counter() - start
-        runs.append(({**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+        runs.append(({**summarize(sends, firsts, ends, [len(t) for t in tokens], wall),
                       "engine": step_counts(before, engine.stats())}, tokens))
     return runs
 
@@ -112,16 +115,14 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
             before = server_counts(info_client.server_info())
             barrier.wait()
             n = len(texts)
-            starts, firsts, ends, tokens = [], [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+            sends, firsts, ends, tokens = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)]
             for share, pipe in zip(shares, pipes):
-                start, their_firsts, their_ends, their_tokens = pipe.recv()
-                starts.append(start)
+                their = pipe.recv()
                 for j, i in enumerate(share):
-                    firsts[i], ends[i], tokens[i] = their_firsts[j], their_ends[j], their_tokens[j]
-            start = min(starts)
-            wall = max(ends) - start
+                    sends[i], firsts[i], ends[i], tokens[i] = (column[j] for column in their)
+            wall = max(ends) - min(sends)
             after = server_counts(info_client.server_info())
-            runs.append(({**summarize([start] * n, firsts, ends, [len(t) for t in tokens], wall),
+            runs.append(({**summarize(sends, firsts, ends, [len(t) for t in tokens], wall),
                           "engine": step_counts(before, after)}, tokens))
     for worker in workers:
         worker.join(30)
@@ -130,7 +131,7 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
 
 def client_process(target: str, texts: list[str], max_tokens: int, trials: int, barrier, results) -> None:
     """One client process: per trial, waits at ``barrier``, then streams all of ``texts`` at once and
-    sends (start, first-token times, end times, tokens) back on ``results``."""
+    sends (call times, first-token times, end times, tokens) back on ``results``."""
     asyncio.run(stream_trials(target, texts, max_tokens, trials, barrier, results))
 
 
@@ -142,18 +143,18 @@ async def stream_trials(target: str, texts: list[str], max_tokens: int, trials: 
         for _ in range(trials):
             await asyncio.to_thread(barrier.wait)
             n = len(texts)
-            firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+            sends, firsts, ends, tokens = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)]
 
             async def one(i: int) -> None:
+                sends[i] = time.perf_counter()
                 async for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                     if chunk.token_ids and not tokens[i]:
                         firsts[i] = time.perf_counter()
                     tokens[i].extend(chunk.token_ids)
                 ends[i] = time.perf_counter()
 
-            start = time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(n)))
-            results.send((start, firsts, ends, tokens))
+            results.send((sends, firsts, ends, tokens))
 
 
 def median_row(path: str, runs: list[tuple[dict, list]]) -> dict:
@@ -213,7 +214,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=3, help="timed runs per side; the tables show medians")
-    ap.add_argument("--client-processes", type=int, default=4, help="processes the client streams are dealt to")
+    ap.add_argument("--client-processes", type=int, default=8, help="processes the client streams are dealt to")
     ap.add_argument("--prompt-words", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
