@@ -55,10 +55,12 @@ def summarize(sends: list[float], firsts: list[float], ends: list[float], counts
 def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int, trials: int) -> list[tuple[dict, list]]:
     """One engine, warmed up; ``trials`` timed runs of all requests, each (summary, tokens per request)."""
     from encore.engine import Engine, SamplingParams
+    from encore.server.engine_worker import freeze_start_up_heap
 
     engine = Engine(**engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(texts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    freeze_start_up_heap()  # as the server's engine process does after its warm-up
     runs = []
     for trial in range(trials):
         before = engine.stats()

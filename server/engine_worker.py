@@ -15,6 +15,7 @@ off the step loop. The engine still stops on EOS, stop token ids and length by i
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import select
 import signal
@@ -60,6 +61,7 @@ def _run(engine_kwargs: dict, inbox: MessageReader, outbox: MessageWriter,
         engine = engine_factory(**engine_kwargs, detokenize=False, on_graph_key=on_graph_key)
         outbox.send(Progress("warming up (one prefill and one decode step)"))
         engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        freeze_start_up_heap()
     except Exception as exc:
         log.exception("engine start failed")
         outbox.send(Fatal(f"engine start failed: {type(exc).__name__}: {exc}"))
@@ -71,6 +73,17 @@ def _run(engine_kwargs: dict, inbox: MessageReader, outbox: MessageWriter,
         log.exception("engine loop failed")
         outbox.send(Fatal(f"{type(exc).__name__}: {exc}"))
         raise
+
+
+def freeze_start_up_heap() -> None:
+    """Collects the garbage start-up left, then moves every object still alive (the model, compiled
+    graphs, caches, imports: ~0.5 M objects with encore-tiny) into the collector's permanent generation,
+    where no later collection walks it; they live as long as the process. Without this, a prompt
+    step early in serving paid for start-up's garbage: on an H200, in each of three runs of three waves
+    of 64 prompts on a fresh encore-tiny engine, one wave's first step took 41-45 ms against 6-10 ms
+    for the others; in a run with it, 6-8 ms for each."""
+    gc.collect()
+    gc.freeze()
 
 
 def engine_info(engine: Engine) -> EngineInfo:

@@ -1,21 +1,23 @@
 """EngineLoop with a stand-in engine, without a process: it steps on while nobody reads its outputs,
 and each step's outputs arrive as one message with every delta, in order; the engine's description
-names its captured graph keys, and GetServerInfo reports them."""
+names its captured graph keys, and GetServerInfo reports them. The worker freezes its start-up heap
+before it reports ready."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import threading
 from types import SimpleNamespace
 
-from encore.engine import RequestOutput
+from encore.engine import Engine, RequestOutput
 from encore.graphs.keys import GraphKey
 from encore.protos.encore.v1 import generate_pb2 as pb
 from encore.server.config import ServerConfig
-from encore.server.engine_worker import EngineLoop, captured_keys
+from encore.server.engine_worker import EngineLoop, _run, captured_keys
 from encore.server.message_pipe import MessageReader, MessageWriter
-from encore.server.messages import EngineInfo, Shutdown, StepResult
+from encore.server.messages import EngineInfo, Ready, Shutdown, StepResult
 from encore.server.metrics import ServerMetrics
 from encore.server.servicer import GenerationServicer
 
@@ -88,3 +90,20 @@ def test_server_info_reports_each_graph_key_field_by_field():
     servicer = GenerationServicer(ServerConfig(), engine, None, ServerMetrics())
     reply = asyncio.run(servicer.GetServerInfo(pb.GetServerInfoRequest(), context=None))
     assert [(k.num_extends, k.q_len_per_req, k.bs, k.num_tokens) for k in reply.graph_keys] == list(keys)
+
+
+def test_the_worker_freezes_its_start_up_heap_before_it_reports_ready(checkpoint):
+    """What start-up leaves alive goes to the collector's permanent generation, so that no collection
+    in a step walks it (``freeze_start_up_heap``); then Ready, then the loop (here: told to stop)."""
+    command_reader, command_writer = multiprocessing.Pipe(duplex=False)
+    output_reader, output_writer = multiprocessing.Pipe(duplex=False)
+    MessageWriter(command_writer).send(Shutdown())
+    frozen = gc.get_freeze_count()
+    try:
+        _run({"model": str(checkpoint("v3")), "device": "cpu"}, MessageReader(command_reader),
+             MessageWriter(output_writer), Engine)
+        assert gc.get_freeze_count() > frozen + 10_000  # the model, its modules, torch's and encore's imports
+    finally:
+        gc.unfreeze()
+    messages = MessageReader(output_reader).read()
+    assert isinstance(messages[-1], Ready), messages
