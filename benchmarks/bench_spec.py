@@ -2,13 +2,16 @@
 
 A. DeepSeek-V2-Lite shape (random bf16 weights on the GPU, the "auto" attention backend, CUDA graphs):
    one verify step (q_len 1 + k) vs one plain decode step, at bs 1 and 16, context 1024.
-B. encore-tiny end to end (float32, CUDA graphs, greedy, 96 tokens per request) at bs 1 and 16: plain
-   decoding (the peer), real MTP drafting with k = 1..4, and the replaying test drafter at per-draft
-   error rates 0.5 / 0.3 / 0.1 — synthetic acceptance by construction — with k = 1..4. float32 because
-   the replay drafter replays the plain run's tokens: in bf16 a verify step's numerics differ from a
-   decode step's, so the target soon leaves the replayed continuation and acceptance collapses.
+B. encore-tiny end to end (``--dtype``, float32 by default; CUDA graphs, greedy, 96 tokens per request)
+   at bs 1 and 16: plain decoding (the peer), real MTP drafting with k = 1..4, and the replaying test
+   drafter at per-draft error rates 0.5 / 0.3 / 0.1 — synthetic acceptance by construction — with
+   k = 1..4. The replay drafter needs float32: it replays the plain run's tokens, and in bf16 a verify
+   step's numerics differ from a decode step's, so the target soon leaves the replayed continuation and
+   acceptance collapses. Real MTP needs no such thing: ``--methods mtp --dtype bfloat16`` measures it
+   in the checkpoint's own dtype.
 
-    python benchmarks/bench_spec.py [--skip-v2-lite] [--methods mtp,replay] [--compile] [--json out.json]
+    python benchmarks/bench_spec.py [--skip-v2-lite] [--methods mtp,replay] [--compile] [--dtype float32]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ def verify_vs_decode(context: int, iters: int) -> list[dict]:
     return rows
 
 
-def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool
+def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str
                  ) -> tuple[float, dict, dict[str, list[int]]]:
-    engine = Engine(device="cuda", dtype="float32", compile=compile_, cuda_graphs=True, max_model_len=512,
+    engine = Engine(device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True, max_model_len=512,
                     speculative=speculative, **KEYS)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
@@ -66,12 +69,12 @@ def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: b
     return bs * max_tokens / seconds, engine.stats(), {o.request_id: o.token_ids for o in outs}
 
 
-def end_to_end(max_tokens: int, methods: list[str], compile_: bool) -> list[dict]:
+def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str) -> list[dict]:
     rows = []
     for bs in (1, 16):
         # Every engine here runs the same warm-up and generate calls, so a request id names the same row
         # in each, and the replaying drafter replays the plain run's tokens under it.
-        plain, _, truth = tokens_per_s(bs, None, max_tokens + 8, compile_)
+        plain, _, truth = tokens_per_s(bs, None, max_tokens + 8, compile_, dtype)
         rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(plain, 1), "speedup": 1.0,
                      "acceptance": None})
         configs = ([("mtp", None)] if "mtp" in methods else []) + (
@@ -81,7 +84,7 @@ def end_to_end(max_tokens: int, methods: list[str], compile_: bool) -> list[dict
                 spec = {"method": method, "num_speculative_tokens": k}
                 if method == "replay":
                     spec.update(continuations=truth, error_rate=error)
-                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_)
+                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_, dtype)
                 label = "mtp" if method == "mtp" else f"replay err {error}"
                 rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(tps, 1),
                              "speedup": round(tps / plain, 2), "acceptance": round(stats["spec_acceptance_rate"], 3),
@@ -100,6 +103,8 @@ def main() -> None:
     ap.add_argument("--skip-v2-lite", action="store_true")
     ap.add_argument("--methods", default="mtp,replay", help="drafters of part B: mtp, replay")
     ap.add_argument("--compile", action="store_true", help="part B with compiled graphs (target and drafter)")
+    ap.add_argument("--dtype", default="float32", help="part B's dtype; the replay drafter needs float32 "
+                    "(module docstring), real MTP runs in the checkpoint's bfloat16 too")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}")
@@ -109,8 +114,8 @@ def main() -> None:
         print(f"{'bs':>3} {'q_len':>5} {'ms':>8} {'x decode':>9}")
         for r in a:
             print(f"{r['bs']:>3} {r['q_len']:>5} {r['ms']:>8} {r['x_decode']:>9}")
-    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile)
-    print(f"B. encore-tiny end to end, float32, greedy, CUDA graphs, compile={args.compile} "
+    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype)
+    print(f"B. encore-tiny end to end, {args.dtype}, greedy, CUDA graphs, compile={args.compile} "
           "(replay acceptance is synthetic)")
     print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}")
     for r in b:
@@ -118,7 +123,8 @@ def main() -> None:
               f"{str(r['acceptance']):>7} {str(r.get('mean_accepted_len', '')):>8}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "compile": args.compile, "verify_vs_decode": a,
+            json.dump({"device": torch.cuda.get_device_name(), "compile": args.compile, "dtype": args.dtype,
+                       "verify_vs_decode": a,
                        "end_to_end": b}, f, indent=2)
 
 
