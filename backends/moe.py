@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
                    topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ from torch import nn
 
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
-from encore.backends.moe import route, routed_experts
 from encore.backends.mla_ops import latent_attention
+from encore.backends.moe import route, routed_experts
 from encore.backends.rope import RotaryEmbedding
 from encore.models.config import ModelConfig
 
