@@ -48,21 +48,26 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k
 
 @torch.library.custom_op("encore::route", mutates_args=())
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
-          topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+          num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router: logits = x · weightᵀ in float32 (as transformers computes them), then
-    ``select_experts``. x [T, H], weight [E, H] -> (weights [T, k] float32, ids [T, k] int64). CPU: the
-    reference; CUDA: a 16-bit GEMM with float32 output (products of 16-bit values are exact in float32:
+    ``select_experts``. x [T, H], weight [E, H] -> (weights [T, k + S] float32, ids [T, k + S] int64),
+    the last S = ``num_shared`` columns for shared experts fused into the routed ones
+    (``with_shared_experts``): experts E..E + S - 1, each with weight 1. CPU: the reference; CUDA: a 16-bit GEMM with float32 output (products of 16-bit values are exact in float32:
     only the summation order differs from a float32 GEMM, and no cast of x or the weight is made) and
     the selection in one Triton kernel (``routing_triton``)."""
-    return select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method, n_group,
-                          topk_group, norm_topk_prob, routed_scaling_factor)
+    weights, ids = select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method,
+                                  n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    if not num_shared:
+        return weights, ids
+    shared = torch.arange(weight.shape[0], weight.shape[0] + num_shared, device=x.device).expand(x.shape[0], -1)
+    return torch.cat([weights, torch.ones(shared.shape, device=x.device)], 1), torch.cat([ids, shared], 1)
 
 
 @route.register_kernel("cuda")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
-      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
-      ) -> tuple[torch.Tensor, torch.Tensor]:
+      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+      num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
     from encore.backends.routing_triton import select_experts_triton  # triton is imported on first use
 
     if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
@@ -70,15 +75,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: i
     else:
         logits = F.linear(x.float(), weight.float())
     return select_experts_triton(logits, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
-                                 routed_scaling_factor)
+                                 routed_scaling_factor, num_shared)
 
 
 @route.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
-      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
-      ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = x.shape[0]
-    return x.new_empty(rows, top_k, dtype=torch.float32), x.new_empty(rows, top_k, dtype=torch.int64)
+      topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+      num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape[0], top_k + num_shared
+    return x.new_empty(rows, cols, dtype=torch.float32), x.new_empty(rows, cols, dtype=torch.int64)
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -124,6 +129,28 @@ def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)  # [T * k, H], expert order
     per_pair = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)  # [T, k, H], pair order
     return (per_pair.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def with_shared_experts(w13: torch.Tensor, w2: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                        num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' stacks with the shared experts appended as ``num_shared`` more experts of
+    the same width: w13 [E, 2I, H], w2 [E, H, I], the shared MLP's gate_up [2·S·I, H] (all gate rows,
+    then all up rows) and down [H, S·I] -> [E + S, 2I, H], [E + S, H, I].
+
+    A SwiGLU MLP of width S·I is the sum of S MLPs over its I-wide slices (SiLU(gate)·up is per
+    channel and down is linear over channels), so every token routed to experts E..E + S - 1 with
+    weight 1 (``route(..., num_shared=S)``) gets exactly the shared MLP's output, from the same
+    launches as the routed experts: DeepSeek's shared experts cost no GEMMs of their own."""
+    experts, two_i, hidden = w13.shape
+    width = two_i // 2
+    if gate_up.shape != (2 * num_shared * width, hidden) or down.shape != (hidden, num_shared * width):
+        raise ValueError(f"shared experts gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: expected "
+                         f"[{2 * num_shared * width}, {hidden}] and [{hidden}, {num_shared * width}] for "
+                         f"{num_shared} experts of width {width}")
+    gate, up = gate_up.view(2, num_shared, width, hidden).unbind(0)  # [S, I, H] each
+    shared_w13 = torch.cat([gate, up], dim=1)  # [S, 2I, H]
+    shared_w2 = down.view(hidden, num_shared, width).transpose(0, 1)  # [S, H, I]
+    return torch.cat([w13, shared_w13]), torch.cat([w2, shared_w2])
 
 
 # Up to this many (token, expert) pairs the bf16 experts run in the Triton fused MoE, above it in

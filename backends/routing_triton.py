@@ -30,7 +30,7 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, num_tokens, scaling,
                    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, NOAUX_TC: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -84,17 +84,21 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, num_tokens, scaling,
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     else:
         weights = weights * scaling
-    out = rows[:, None] * TOP_K + kcols[None, :]
-    store = row_ok[:, None] & (kcols < TOP_K)[None, :]
+    # Shared experts fused into the routed ones: experts E..E + NUM_SHARED - 1, weight 1, after the top-k.
+    weights = tl.where(kcols[None, :] >= TOP_K, 1.0, weights)
+    ids = tl.where(kcols[None, :] >= TOP_K, (E + kcols - TOP_K)[None, :].to(tl.int64), ids)
+    out = rows[:, None] * (TOP_K + NUM_SHARED) + kcols[None, :]
+    store = row_ok[:, None] & (kcols < TOP_K + NUM_SHARED)[None, :]
     tl.store(WEIGHTS + out, weights, mask=store)
     tl.store(IDS + out, ids, mask=store)
 
 
 def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
                           topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool,
-                          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe.select_experts`` in one launch: router_logits [T, E] float32 -> (weights [T, k] float32,
-    ids [T, k] int64)."""
+                          routed_scaling_factor: float, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.select_experts`` in one launch: router_logits [T, E] float32 -> (weights [T, k + S] float32,
+    ids [T, k + S] int64), where the last S = ``num_shared`` columns are the shared experts fused into
+    the routed ones (``moe.with_shared_experts``): ids E..E + S - 1, weight 1."""
     _check(router_logits.dim() == 2 and router_logits.dtype == torch.float32 and router_logits.is_contiguous(),
            f"router_logits {tuple(router_logits.shape)} {router_logits.dtype}: expected contiguous [T, E] float32")
     tokens, experts = router_logits.shape
@@ -107,16 +111,18 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
                f"of which 1..n_group are kept")
     if bias is not None:
         _check(bias.shape == (experts,), f"bias {tuple(bias.shape)}: expected [{experts}]")
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    _check(num_shared >= 0, f"num_shared={num_shared}: must be >= 0")
+    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int64, device=router_logits.device)
     block_e = max(16, triton.next_power_of_2(experts))
     block_t = min(_MAX_BLOCK_T, max(1, _ELEMENTS_PER_PROGRAM // block_e))
     if tokens:
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             router_logits, bias if bias is not None else router_logits, weights, ids, tokens,
             float(routed_scaling_factor), E=experts, BLOCK_E=block_e, TOP_K=top_k,
-            BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=scoring_func == "sigmoid",
+            BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)), SIGMOID=scoring_func == "sigmoid",
             HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
             BLOCK_G=max(2, triton.next_power_of_2(n_group)), TOPK_GROUP=topk_group,
-            NOAUX_TC=topk_method == "noaux_tc", RENORMALIZE=bool(norm_topk_prob), BLOCK_T=block_t)
+            NOAUX_TC=topk_method == "noaux_tc", RENORMALIZE=bool(norm_topk_prob), NUM_SHARED=num_shared,
+            BLOCK_T=block_t)
     return weights, ids

@@ -149,8 +149,8 @@ def bytes_read(model: DeepseekForCausalLM, cfg: ModelConfig, bs: int, context: i
         size = param.numel() * param.element_size()
         if name.endswith("embed_tokens.weight"):
             size = bs * param.shape[1] * param.element_size()  # only the rows looked up
-        elif ".experts.w" in name:
-            size = size / cfg.n_routed_experts * expected_experts
+        elif ".experts.w" in name:  # with shared experts fused, the stack's last ones are read every step
+            size = size / param.shape[0] * (expected_experts + param.shape[0] - cfg.n_routed_experts)
         weights += size
     kv = bs * (context + 1) * cfg.latent_dim * 2 * cfg.num_hidden_layers
     return {"weights": weights, "kv": kv, "expected_experts_per_layer": expected_experts}

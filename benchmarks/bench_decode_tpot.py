@@ -3,7 +3,8 @@ the memory-bandwidth floor vs HF transformers' own DeepseekV2 on the same weight
 
 Weights: transformers' DeepseekV2ForCausalLM is built on the GPU from V2-Lite's config.json values
 (random bf16, its own initializer); encore's model shares those very tensors (experts, attention,
-embeddings) — one copy of the weights, so both run the same numbers. A greedy check on a short prompt
+embeddings), so both run the same numbers — except each MoE layer's expert stacks, which the engine
+copies when it fuses the shared experts into them on CUDA (same values). A greedy check on a short prompt
 (argmax and logits error of encore vs transformers) guards the name mapping.
 
 encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs 1/8/64 at q_len 1 and

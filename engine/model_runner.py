@@ -26,7 +26,7 @@ from encore.graphs.padding import StepBuffers, padded_index
 from encore.graphs.runner import GraphRunner, KeyReport
 from encore.graphs.weights import colocate_pre_attention_weights
 from encore.models.config import ModelConfig
-from encore.models.deepseek import DeepseekForCausalLM
+from encore.models.deepseek import DeepseekForCausalLM, fuse_shared_experts
 from encore.models.eagle3 import Eagle3Config, Eagle3Model, load_eagle3
 from encore.models.loader import has_mtp_weights, load_model
 
@@ -88,6 +88,9 @@ class ModelRunner:
                                     with_mtp=self.with_mtp, aux_layers=aux_layers)
         else:
             self.model = build_model(cfg, self.backend, self.device, self.dtype)
+        if self.device.type == "cuda":  # the CPU keeps the plain formulation, the reference
+            log.info("shared experts fused into the routed experts in %d MoE layers", fuse_shared_experts(self.model))
+            torch.cuda.empty_cache()  # the replaced stacks: KV sizing above counted the weights once
         self.eagle3 = load_eagle3(spec.draft_model, draft, self.draft_kv_cache, self.model.model.embed_tokens,
                                   self.device, self.dtype) if draft else None
         self.sampler = Sampler()

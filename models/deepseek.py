@@ -15,7 +15,7 @@ from torch import nn
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
 from encore.backends.mla_ops import latent_attention
-from encore.backends.moe import route, routed_experts
+from encore.backends.moe import route, routed_experts, with_shared_experts
 from encore.backends.rope import RotaryEmbedding
 from encore.models.config import ModelConfig
 
@@ -68,6 +68,18 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self.num_fused_shared = 0  # shared experts moved into ``experts`` by fuse_shared_experts
+
+    def fuse_shared_experts(self) -> None:
+        """Moves the shared experts into the routed experts' stacks (``moe.with_shared_experts``),
+        which every token then takes with weight 1: no shared-expert GEMMs of their own."""
+        shared = self.shared_experts
+        w13, w2 = with_shared_experts(self.experts.w13.data, self.experts.w2.data, shared.gate_up_proj.weight.data,
+                                      shared.down_proj.weight.data, self.cfg.n_shared_experts)
+        self.experts.w13 = nn.Parameter(w13, requires_grad=False)
+        self.experts.w2 = nn.Parameter(w2, requires_grad=False)
+        self.shared_experts = None
+        self.num_fused_shared = self.cfg.n_shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -75,11 +87,20 @@ class MoE(nn.Module):
         # compiled graph may trace.
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
                              cfg.scoring_func, cfg.topk_method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                             cfg.routed_scaling_factor)
+                             cfg.routed_scaling_factor, self.num_fused_shared)
         out = routed_experts(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def fuse_shared_experts(model: nn.Module) -> int:
+    """``MoE.fuse_shared_experts`` on every MoE layer with shared experts (the MTP layer's too);
+    returns how many were fused. One layer at a time, so the copy needs one layer's experts of room."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+    for layer in layers:
+        layer.fuse_shared_experts()
+    return len(layers)
 
 
 class MLAttention(nn.Module):

@@ -234,6 +234,28 @@ def test_select_experts_edge_rows():
 
 
 @in_process
+@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+def test_select_experts_appends_fused_shared_experts(name):
+    """num_shared = S: the routed top-k as without it, then experts E..E + S - 1 with weight 1 (not
+    normalized or scaled with the routed ones), as the reference op appends them."""
+    logits, bias, params = routing_case(name, 5)
+    experts = logits.shape[1]
+    plain_weights, plain_ids = select_experts_triton(logits, bias, *params)
+    weights, ids = select_experts_triton(logits, bias, *params, num_shared=2)
+    k = params[0]
+    assert ids.shape == weights.shape == (5, k + 2)
+    assert torch.equal(ids[:, :k], plain_ids) and torch.equal(weights[:, :k], plain_weights)
+    assert (ids[:, k:] == torch.tensor([experts, experts + 1], device=DEVICE)).all() and (weights[:, k:] == 1).all()
+    gen = torch.Generator().manual_seed(2)
+    x, router = torch.randn(5, 32, generator=gen), torch.randn(experts, 32, generator=gen)
+    cpu_bias = None if bias is None else bias.cpu()
+    want_weights, want_ids = torch.ops.encore.route(x, router, cpu_bias, *params, 0)
+    got_weights, got_ids = torch.ops.encore.route(x, router, cpu_bias, *params, 2)
+    assert torch.equal(got_ids[:, :k], want_ids) and torch.equal(got_weights[:, :k], want_weights)
+    assert (got_ids[:, k:] == torch.tensor([experts, experts + 1])).all() and (got_weights[:, k:] == 1).all()
+
+
+@in_process
 def test_select_experts_rejects_bad_inputs():
     logits, bias, params = routing_case("v3", 2)
     with pytest.raises(ValueError, match="float32"):
@@ -246,6 +268,8 @@ def test_select_experts_rejects_bad_inputs():
         select_experts_triton(logits, bias, params[0], "tanh", *params[2:])
     with pytest.raises(ValueError, match=r"bias \(255,\)"):
         select_experts_triton(logits, bias[:255], *params)
+    with pytest.raises(ValueError, match="num_shared=-1"):
+        select_experts_triton(logits, bias, *params, num_shared=-1)
 
 
 @pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
@@ -364,14 +388,14 @@ def test_op_dispatch_by_pairs_gpu(layer, dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name,hidden", [("v2-lite", 2048), ("v3", 7168), ("encore-tiny", 192)])
-def test_route_op_matches_reference_gpu(name, hidden, dtype):
+@pytest.mark.parametrize("name,hidden,shared", [("v2-lite", 2048, 2), ("v3", 7168, 1), ("encore-tiny", 192, 0)])
+def test_route_op_matches_reference_gpu(name, hidden, shared, dtype):
     """``encore::route`` on CUDA (a 16-bit GEMM with float32 output, or a float32 GEMM, then the
     selection kernel) against the CPU reference (float32 logits of the same values) at decode and
-    prefill sizes, and inside a CUDA graph."""
+    prefill sizes, and inside a CUDA graph; with the model's shared experts fused, and without."""
     k, scoring, method, groups, top_groups, norm, scale, experts, has_bias = ROUTINGS[name]
     gen = torch.Generator().manual_seed(1)
-    params = (k, scoring, method, groups, top_groups, norm, scale)
+    params = (k, scoring, method, groups, top_groups, norm, scale, shared)
     weight = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).to(dtype)
     bias = (torch.randn(experts, generator=gen) * 0.1).to(dtype) if has_bias else None
     on = lambda t: None if t is None else t.cuda()  # noqa: E731
