@@ -53,9 +53,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     """The router: logits = x · weightᵀ in float32 (as transformers computes them), then
     ``select_experts``. x [T, H], weight [E, H] -> (weights [T, k + S] float32, ids [T, k + S] int64),
     the last S = ``num_shared`` columns for shared experts fused into the routed ones
-    (``with_shared_experts``): experts E..E + S - 1, each with weight 1. CPU: the reference; CUDA: a 16-bit GEMM with float32 output (products of 16-bit values are exact in float32:
-    only the summation order differs from a float32 GEMM, and no cast of x or the weight is made) and
-    the selection in one Triton kernel (``routing_triton``)."""
+    (``with_shared_experts``): experts E..E + S - 1, each with weight 1. CPU: the reference; CUDA: a
+    16-bit GEMM with float32 output (products of 16-bit values are exact in float32: only the
+    summation order differs from a float32 GEMM, and no cast of x or the weight is made) and the
+    selection in one Triton kernel (``routing_triton``)."""
     weights, ids = select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method,
                                   n_group, topk_group, norm_topk_prob, routed_scaling_factor)
     if not num_shared:
@@ -141,7 +142,7 @@ def with_shared_experts(w13: torch.Tensor, w2: torch.Tensor, gate_up: torch.Tens
     channel and down is linear over channels), so every token routed to experts E..E + S - 1 with
     weight 1 (``route(..., num_shared=S)``) gets exactly the shared MLP's output, from the same
     launches as the routed experts: DeepSeek's shared experts cost no GEMMs of their own."""
-    experts, two_i, hidden = w13.shape
+    _, two_i, hidden = w13.shape
     width = two_i // 2
     if gate_up.shape != (2 * num_shared * width, hidden) or down.shape != (hidden, num_shared * width):
         raise ValueError(f"shared experts gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: expected "
