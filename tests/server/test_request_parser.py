@@ -51,9 +51,8 @@ def test_text_is_tokenized_like_the_engine_does(parser, reference):
 
 def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, reference, monkeypatch):
     threads = []
-    encode = parser.tokenizer.encode
-    monkeypatch.setattr(parser.tokenizer, "encode",
-                        lambda text: threads.append(threading.current_thread().name) or encode(text))
+    encode = parser._encode
+    monkeypatch.setattr(parser, "_encode", lambda text: threads.append(threading.current_thread().name) or encode(text))
     text = "x" * (INLINE_TOKENIZE_CHARS + 1)  # past the inline limit: tokenized on the worker thread
     n = len(reference.tokenizer.encode(text))
     assert error(parser, build_request(text)).message.startswith(f"the prompt has {n} tokens; max_model_len is")
