@@ -124,8 +124,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "compile": args.compile, "dtype": args.dtype,
-                       "verify_vs_decode": a,
-                       "end_to_end": b}, f, indent=2)
+                       "verify_vs_decode": a, "end_to_end": b}, f, indent=2)
 
 
 if __name__ == "__main__":

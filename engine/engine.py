@@ -35,10 +35,13 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
+def prompt_encoder(tokenizer) -> Callable[[str], list[int]] | None:
     """``text -> ids``, as ``tokenizer.encode(text)``: through a fast tokenizer's Rust backend itself
     where that is the same encode (no truncation or padding set on it; transformers' ``encode`` only
-    adds Python around the backend's), which halves a 16-word prompt's ~120 µs on encore-tiny (CPU)."""
+    adds Python around the backend's), which halves a 16-word prompt's ~120 µs on encore-tiny (CPU).
+    None without a tokenizer."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.truncation is None and backend.padding is None:
         return lambda text: backend.encode(text).ids
@@ -70,7 +73,7 @@ class Engine:
         model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self._encode = prompt_encoder(self.tokenizer) if self.tokenizer is not None else None
+        self._encode = prompt_encoder(self.tokenizer)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(self.config, self.model_config, wanted_len)
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0

@@ -68,7 +68,11 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
-        self.num_fused_shared = 0  # shared experts moved into ``experts`` by fuse_shared_experts
+
+    @property
+    def num_fused_shared(self) -> int:
+        """Shared experts that ``fuse_shared_experts`` appended to the routed experts' stacks."""
+        return self.experts.w13.shape[0] - self.cfg.n_routed_experts
 
     def fuse_shared_experts(self) -> None:
         """Moves the shared experts into the routed experts' stacks (``moe.with_shared_experts``),
@@ -79,7 +83,6 @@ class MoE(nn.Module):
         self.experts.w13 = nn.Parameter(w13, requires_grad=False)
         self.experts.w2 = nn.Parameter(w2, requires_grad=False)
         self.shared_experts = None
-        self.num_fused_shared = self.cfg.n_shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

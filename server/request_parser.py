@@ -67,7 +67,7 @@ class RequestParser:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, speculative: bool = False) -> None:
         """``speculative``: whether the server runs speculative decoding."""
         self.tokenizer = tokenizer
-        self._encode = prompt_encoder(tokenizer) if tokenizer is not None else None
+        self._encode = prompt_encoder(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.speculative = speculative
