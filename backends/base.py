@@ -67,6 +67,12 @@ class AttentionBackend(abc.ABC):
         re-planning a graph's shape (reported as ``attention_slow_replans``)."""
         return 0
 
+    def warm_up_decode(self, q_len: int) -> int:
+        """Compiles, by launching them on scratch inputs, the decode kernel variants this backend can pick
+        for rows of ``q_len`` tokens that a warm-up step's shape would not reach; returns the launches.
+        Called once at start-up (ModelRunner.warm_up_kernels) on CUDA; none by default."""
+        return 0
+
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         """Host-side metadata for the step, prefill rows and decode rows planned separately.
 

@@ -6,10 +6,8 @@ import torch
 
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.metadata import ForwardBatch, ForwardMode
-from encore.backends.triton_mla import choose_num_kv_splits, default_decode_config, mla_decode, mla_prefill
-
-# The Triton interpreter has no SMs; 8 keeps split-KV exercised when the backend runs on CPU tensors.
-_INTERPRETER_SMS = 8
+from encore.backends.triton_mla import mla_decode, mla_prefill, warm_up_decode
+from encore.engine.kv_cache import DUMMY_PAGE
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -18,8 +16,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     Decode rows: q_lat = q_nope·W_kc [T, H, R], the split-KV flash-decoding kernel over the latent
     cache into a [T, H, R] latent output, then ·W_vc into ``out``. Any uniform q_len_per_req. The
-    number of KV splits is a function of static sizes only (rows, q_len, the page table's width), so a
-    captured graph stays valid for any ``seq_lens``.
+    kernel's launch settings and KV splits are functions of static sizes only (rows, q_len, the page
+    table's width, the dtype), so a captured graph stays valid for any ``seq_lens``.
     Prefill rows: like the torch reference, each row's whole page-table span is read back from the
     latent cache and decompressed through W_kc / W_vc, so row b's keys sit at b·S .. b·S + S (S: the
     table's width in tokens, key j at position j) and kv_indptr is a device-side arange; the ragged
@@ -31,16 +29,13 @@ class TritonAttentionBackend(AttentionBackend):
     supports_nonuniform_decode = False
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
 
-    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
-        super().__init__(kv_caches, dims)
-        device = kv_caches[0].device if kv_caches else torch.device("cpu")
-        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if device.type == "cuda" else _INTERPRETER_SMS)
-
-    def num_kv_splits(self, rows: int, q_len: int, max_pages: int, page_size: int) -> int:
-        """Splits per decode row for a step of this shape; host ints only (a graph key fixes all four)."""
-        block_m = default_decode_config(q_len, self.dims.num_heads).block_m
-        return choose_num_kv_splits(rows, self.dims.num_heads, q_len, max_pages * page_size, self.num_sms, block_m)
+    def warm_up_decode(self, q_len: int) -> int:
+        # Launch settings follow the step's rows and table width (triton_mla.decode_config): each is
+        # launched here rather than found by trying step shapes.
+        if not self.kv_caches:
+            return 0
+        return warm_up_decode(self.kv_caches[0], DUMMY_PAGE, self.dims.num_heads, q_len, self.dims.qk_rope_head_dim,
+                              self.dims.softmax_scale)
 
     def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                 cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
@@ -62,9 +57,9 @@ class TritonAttentionBackend(AttentionBackend):
         rows, q_len = batch.num_decodes, batch.q_len_per_req
         pages = batch.page_table[batch.num_extends:]  # [B, P]
         dtype = q_nope.dtype
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_kc.to(dtype)).contiguous()  # [T, H, R]
-        o_lat = torch.empty_like(q_lat)  # [T, H, R]
-        splits = self.num_kv_splits(rows, q_len, pages.shape[1], cache.shape[1])
-        mla_decode(q_lat, q_pe, cache, pages, batch.seq_lens[batch.num_extends:], q_len,
-                   self.dims.softmax_scale, o_lat, num_kv_splits=splits)
-        out.copy_(torch.einsum("thr,hvr->thv", o_lat, w_vc.to(dtype)))  # [T, H, dv]
+        # Head-major latents: the batched GEMMs read and write [H, T, ·] directly, and the kernel takes
+        # the [T, H, R] views by their strides, so no transposing copy is made on either side.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc.to(dtype)).transpose(0, 1)  # [T, H, R]
+        o_lat = torch.empty_like(q_lat)  # [T, H, R], head-major like q_lat
+        mla_decode(q_lat, q_pe, cache, pages, batch.seq_lens[batch.num_extends:], q_len, self.dims.softmax_scale, o_lat)
+        torch.bmm(o_lat.transpose(0, 1), w_vc.to(dtype).transpose(1, 2), out=out.transpose(0, 1))  # [T, H, dv]

@@ -12,7 +12,7 @@ log-sum-exp to a float32 workspace and a second kernel merges them. A split or q
 key contributes nothing (its output is 0), so splits past a short row's end are harmless. With one
 split the first kernel writes ``out`` directly.
 
-    grid (cdiv(q_len·H, BLOCK_M), B, num_kv_splits)  then  merge grid (B·q_len, H)
+    grid (cdiv(q_len·H, BLOCK_M), B, num_kv_splits)  then  merge grid (B·q_len, H, column blocks)
 
 ``mla_prefill`` (FlashAttention-2 forward, ragged, causal with a cached prefix). A program handles
 BLOCK_M queries of one row and one head. Programs are numbered over the rows' query tiles in order;
@@ -25,12 +25,16 @@ kernel takes the indptrs themselves as arguments.
 
 Both accumulate in float32 with the exp2 form of the online softmax. Inputs are float32, float16 or
 bfloat16 (float32 dots run in IEEE precision, not TF32, so they can match a float32 reference).
-No constexpr depends on a step's rows, lengths or splits, and the integers and index tensors that do
-are not specialized on, so a step of a new shape compiles nothing (``kernel_variants``).
+A decode step's rows and table width pick its launch settings among a few (``decode_configs``: tiles,
+stages; one split or several; the merge's column block), which ``warm_up_decode`` compiles at
+start-up; beyond those no constexpr depends on a step's rows, lengths or splits, and the integers and
+index tensors that do are not specialized on, so a step of a new shape compiles nothing
+(``kernel_variants``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -46,6 +50,8 @@ MAX_KV_SPLITS = 64
 # A split shorter than this costs more in its fixed work (the query load, the merge) than it saves
 # (benchmarks/tune_mla_decode.py: bs 1 × 1k keys runs fastest at 32 splits of 32 keys).
 MIN_KEYS_PER_SPLIT = 32
+_MERGE_CHUNK = 16  # splits a merge program loads at once
+_MERGE_FEW_ROWS_COLUMNS = 128
 _ROW_CHUNK = tl.constexpr(16)  # prefill rows scanned at a time when a program looks for its row
 
 
@@ -70,16 +76,63 @@ class KernelConfig:
             raise ValueError(f"num_stages={self.num_stages}: must be >= 1")
 
 
-def default_decode_config(q_len: int, num_heads: int) -> KernelConfig:
-    """Measured on an H200 (benchmarks/tune_mla_decode.py, bf16, H 16, R 512, bs 1/8/64 × 1k/8k):
-    16 (position, head) pairs per program, 32 keys per tile and four warps when a row has no more
-    pairs (q_len 1 with 16 heads: a [16, 512] float32 accumulator fits four warps' registers); else 32
-    pairs × 64 keys on eight warps, 2-3× faster than 32 × 16 for q_len 2-4 at bs 8-64. The kernel's KV
-    loop is not software-pipelined by Triton (its binaries for 1-3 stages are identical), so
-    num_stages is nominal."""
-    if q_len * num_heads <= 16:
-        return KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
-    return KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
+SMALL_DECODE = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
+# Software pipelining: Triton double-buffers the KV loop from num_stages 5 on (the page-table load
+# ahead of the KV load takes the stages below that: at 3 the next tile's copy is issued after this
+# tile's dots, at 5 it is in flight during them). It pays once a split has this many keys; shorter
+# splits lose the prologue (tune_mla_decode.py, H200: bs 64 × 8k 228 -> 198 µs, bs 1 × 1k 13.4 -> 14.8).
+PIPELINE_MIN_KEYS = 192
+PIPELINED_STAGES = 5
+
+
+_FLOAT32_WIDE = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
+
+
+def _wide_config(pairs: int) -> KernelConfig:
+    return KernelConfig(block_m=32 if pairs <= 32 else 64, block_n=64, num_warps=8, num_stages=3)
+
+
+def decode_configs(num_heads: int, q_len: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """Every launch setting ``decode_config`` can pick for rows of ``q_len`` tokens (the warm-up
+    compiles each, ``warm_up_decode``)."""
+    pairs = q_len * num_heads
+    if dtype == torch.float32:
+        return [SMALL_DECODE] if pairs <= 16 else [_FLOAT32_WIDE]
+    configs = [SMALL_DECODE, dataclasses.replace(SMALL_DECODE, num_stages=PIPELINED_STAGES)]
+    if pairs > 16:
+        wide = _wide_config(pairs)
+        configs.append(wide)
+        if wide.block_m <= 32:
+            configs.append(dataclasses.replace(wide, num_stages=PIPELINED_STAGES))
+    return configs
+
+
+def decode_config(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
+                  dtype: torch.dtype) -> KernelConfig:
+    """Launch settings measured on an H200 (benchmarks/tune_mla_decode.py, bf16, H 16, R 512,
+    q_len 1/2/4 × bs 1/8/64 × 1k/8k keys). 16-bit:
+
+    - 16 (position, head) pairs per program, 32 keys a tile, four warps (a [16, 512] float32
+      accumulator fits their registers), when a row has no more pairs or when even the wide tile's
+      grid, split to 64 keys, would not fill the SMs: then latency rules and small programs win
+      (bs 1 × q_len 4 × 1k: 13.8 µs against 20.6 with 64 pairs).
+    - else 32 pairs (q_len·H ≤ 32) or 64 pairs (more) per program, 64 keys a tile, eight warps; at
+      64 pairs the dots are Hopper warpgroup MMAs (bs 64 × q_len 4 × 8k: 577 -> 331 µs against 32 pairs).
+    - num_stages PIPELINED_STAGES where a split has PIPELINE_MIN_KEYS keys or more and the buffers fit
+      the shared memory (not with 64 × 64 tiles: 3 stages, one buffer).
+
+    float32 (exact ``ieee`` dots on CUDA cores; tests and the tiny model): 16 × 32 on four warps for
+    up to 16 pairs, else 32 × 64 on eight, unpipelined; not tuned."""
+    pairs = q_len * num_heads
+    if dtype == torch.float32:
+        return SMALL_DECODE if pairs <= 16 else _FLOAT32_WIDE
+    wide = _wide_config(pairs)
+    fills = batch * triton.cdiv(pairs, wide.block_m) * triton.cdiv(max_seq_len, wide.block_n) >= num_sms
+    config = wide if pairs > 16 and fills else SMALL_DECODE
+    splits = choose_num_kv_splits(batch, num_heads, q_len, max_seq_len, num_sms, config)
+    if config.block_m <= 32 and triton.cdiv(max_seq_len, splits) >= PIPELINE_MIN_KEYS:
+        config = dataclasses.replace(config, num_stages=PIPELINED_STAGES)
+    return config
 
 
 def default_prefill_config(dtype: torch.dtype) -> KernelConfig:
@@ -103,14 +156,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_kv_splits(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
-                         block_m: int) -> int:
-    """Splits per row so that a decode grid smaller than the GPU fills it about once (measured: filling
-    it twice was 1.1-1.5× slower at q_len 2-4), each split keeping at least MIN_KEYS_PER_SPLIT keys of
-    a ``max_seq_len`` row; a grid that fills the GPU is not split. Host-side: ``max_seq_len`` is a
-    bound the caller knows without reading the device (e.g. the page table's width times the page size)."""
-    programs = batch * triton.cdiv(q_len * num_heads, block_m)
-    by_occupancy = 1 if programs >= num_sms else triton.cdiv(num_sms, programs)
-    by_length = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+                         config: KernelConfig) -> int:
+    """Splits per row so that a decode grid smaller than the GPU fills it once at the programs an SM
+    holds (two of four warps, one of eight: measured, e.g. bs 64 × 1k at four warps 38.9 µs with 4
+    splits against 47.8 with 8 and 44.9 with 2), each split keeping at least max(MIN_KEYS_PER_SPLIT,
+    block_n) keys of a ``max_seq_len`` row; a grid that fills the GPU is not split. Host-side:
+    ``max_seq_len`` is a bound the caller knows without reading the device (e.g. the page table's
+    width times the page size)."""
+    programs = batch * triton.cdiv(q_len * num_heads, config.block_m)
+    capacity = num_sms * (2 if config.num_warps <= 4 else 1)
+    by_occupancy = max(1, capacity // programs)
+    by_length = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, config.block_n))
     return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 
 
@@ -201,23 +257,31 @@ def _decode_split_kernel(
 
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits,
-                         NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits, NUM_HEADS: tl.constexpr,
+                         R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    # One program per (token, head, BLOCK_C latent columns), loading CHUNK_S splits' slices at a time: up
+    # to CHUNK_S splits merge in one round of loads (a loop over single splits was ~8 µs per layer at
+    # bs 1 × 34 splits, longer than the split kernel itself), and column blocks give a one-row step
+    # programs enough to spread its loads over the SMs.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [C] latent columns
     base = (tok * NUM_HEADS + head) * num_splits
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(PART_LSE + base + s, mask=s < num_splits, other=float("-inf"))  # [S], log2 units
     lse_max = tl.max(lse, 0)
     lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse - lse_ref), 0)
-    r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for i in range(num_splits):
-        weight = tl.exp2(tl.load(PART_LSE + base + i) - lse_ref)  # 0 for an empty split
-        acc += weight * tl.load(PART_O + (base + i) * R + r, mask=r < R, other=0.0)
+    total = tl.sum(tl.exp2(lse - lse_ref), 0)  # empty splits weigh 0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        k = s0 + tl.arange(0, CHUNK_S)
+        k_ok = k < num_splits
+        weight = tl.exp2(tl.load(PART_LSE + base + k, mask=k_ok, other=float("-inf")) - lse_ref)  # [K]
+        part = tl.load(PART_O + (base + k)[:, None] * R + c[None, :], mask=k_ok[:, None] & (c[None, :] < R),
+                       other=0.0)  # [K, C]
+        acc += tl.sum(part * weight[:, None], 0)
     acc = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(OUT + tok * stride_ot + head * stride_oh + r, acc.to(OUT.dtype.element_ty), mask=r < R)
+    tl.store(OUT + tok * stride_ot + head * stride_oh + c, acc.to(OUT.dtype.element_ty), mask=c < R)
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
@@ -229,8 +293,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     page_table [B, max_pages] int32, seq_lens [B] int32 (KV length after this step, the q_len new
     tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc).
     Query i of row b sits at position seq_lens[b] - q_len + i and sees keys 0..that position; the
-    caller guarantees seq_lens[b] <= max_pages·page_size. ``num_kv_splits`` None: chosen from the SM
-    count and the page table's capacity (static, so a captured graph stays valid for any seq_lens).
+    caller guarantees seq_lens[b] <= max_pages·page_size. ``config`` and ``num_kv_splits`` None: chosen
+    from the SM count and the page table's capacity (``decode_config``, ``choose_num_kv_splits``:
+    static, so a captured graph stays valid for any seq_lens).
     """
     _check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
     tokens, heads, rank = q_lat.shape
@@ -253,10 +318,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     _check_last_dim_contiguous(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, out=out)
     _check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
     page_size = kv_cache.shape[1]
-    config = config or default_decode_config(q_len, heads)
+    max_seq_len, num_sms = page_table.shape[1] * page_size, _num_sms(q_lat.device)
+    config = config or decode_config(batch, heads, q_len, max_seq_len, num_sms, q_lat.dtype)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(batch, heads, q_len, page_table.shape[1] * page_size,
-                                             _num_sms(q_lat.device), config.block_m)
+        num_kv_splits = choose_num_kv_splits(batch, heads, q_len, max_seq_len, num_sms, config)
     _check(1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits={num_kv_splits}: allowed 1..{MAX_KV_SPLITS}")
     if tokens == 0:
         return out
@@ -278,10 +343,42 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages)
     if not direct:
-        _decode_merge_kernel[(tokens, heads)](
+        block_c = _merge_columns(tokens, heads, _num_sms(out.device), block_r)
+        _decode_merge_kernel[(tokens, heads, triton.cdiv(rank, block_c))](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
-            BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), num_warps=4)
+            BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), CHUNK_S=_MERGE_CHUNK, BLOCK_C=block_c, num_warps=4)
     return out
+
+
+def _merge_columns(tokens: int, heads: int, num_sms: int, block_r: int) -> int:
+    """Latent columns per merge program: whole rows once the (token, head) pairs alone fill the SMs,
+    else 128 so that a one-row step spreads its merge over more programs. 128 everywhere was slower
+    at many rows (H200, decode + merge, bs 64 × 1k: q_len 1 51.1 against 39.2 µs, q_len 4 116 against
+    71 µs; two machines whose flashinfer times agreed within 3 %)."""
+    return block_r if tokens * heads >= num_sms else min(block_r, _MERGE_FEW_ROWS_COLUMNS)
+
+
+def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, rope: int, softmax_scale: float) -> int:
+    """Launches ``mla_decode`` once per kernel variant a step with rows of ``q_len`` tokens can reach
+    (each ``decode_configs`` entry, with one split and with several, each merge width) on scratch
+    queries over ``page`` of ``cache`` (contents unused), laid out as the Triton backend lays out
+    its own (q_lat head-major); returns the launches. Variants compiled here are not compiled while serving."""
+    rank, page_size = cache.shape[2] - rope, cache.shape[1]
+    width = triton.cdiv(q_len, page_size)
+    launches = 0
+    for rows in sorted({1, triton.cdiv(_num_sms(cache.device), q_len * num_heads)}):  # both merge widths
+        tokens = rows * q_len
+        q_lat = torch.zeros(num_heads, tokens, rank, dtype=cache.dtype, device=cache.device).transpose(0, 1)
+        q_pe = torch.zeros(tokens, num_heads, rope, dtype=cache.dtype, device=cache.device)
+        table = torch.full((rows, width), page, dtype=torch.int32, device=cache.device)
+        seq_lens = torch.full((rows,), q_len, dtype=torch.int32, device=cache.device)
+        out = torch.empty_like(q_lat)
+        for config in decode_configs(num_heads, q_len, cache.dtype):
+            for splits in (1, 2):
+                mla_decode(q_lat, q_pe, cache, table, seq_lens, q_len, softmax_scale, out, num_kv_splits=splits,
+                           config=config)
+                launches += 1
+    return launches
 
 
 @kernel_variants.watched

@@ -1,4 +1,4 @@
-"""Launch-setting sweep of the Triton MLA decode kernel, to retune ``default_decode_config`` and
+"""Launch-setting sweep of the Triton MLA decode kernel, to retune ``decode_config`` and
 ``choose_num_kv_splits`` (backends/triton_mla.py).
 
 For each q_len × batch × context (every row at ``context`` cached tokens plus ``q_len`` new ones,
@@ -6,16 +6,18 @@ H × (R + Dr) latent, pages shuffled): every num_kv_splits × KernelConfig of th
 is run once and checked against the default's output (max |diff| / max |default| <= 2e-2, else
 rejected), then timed by replaying a CUDA graph of back-to-back calls (median of the replays);
 configurations that fail to compile or launch are skipped and counted. Beside them: the default
-(``default_decode_config`` + ``choose_num_kv_splits``) and, where it runs, flashinfer's
+(``decode_config`` + ``choose_num_kv_splits``) and, where it runs, flashinfer's
 ``BatchMLAPagedAttentionWrapper`` planned as encore's flashinfer backend plans a decode. One input
 per shape, so the KV stays in L2 where it fits (bs 1 and 8 at 1k): times there are below a model step's.
 
 Pruned before compiling: block_m above q_len·H rounded up to 16 (idle lanes); tiles that spill
 more than a few bytes (``tile_registers``); splits of fewer than max(16, block_n) keys (a split rounds
 up to whole key tiles, so the rest would be empty); splits of a grid already over 8 programs per
-SM. num_stages defaults to 3 alone: triton 3.9 does not pipeline the kernel's KV loop, and its
-sm_90 binaries for 1, 2 and 3 stages are identical (pass ``--num-stages 1 2 3`` once it pipelines).
-Every kernel variant is compiled first by a pool of processes into Triton's on-disk cache.
+SM. num_stages 3, 5 and 7: Triton (3.6 and 3.9) pipelines the kernel's KV loop only from 5 stages on
+(the page-table load ahead of the KV load takes the first ones; 1-4 stages give one KV buffer and
+the same schedule, 5-6 two, 7 three); a variant whose buffers overflow the shared memory fails to
+launch and is counted as skipped. Every kernel variant is compiled first by a pool of processes into
+Triton's on-disk cache.
 
     python benchmarks/tune_mla_decode.py [--q-len 1 2 4] [--batch 1 8 64] [--context 1024 8192]
         [--splits ...] [--block-m ...] [--block-n ...] [--num-warps ...] [--num-stages ...] [--json PATH]
@@ -49,15 +51,17 @@ from bench_mla_decode import HEADS, RANK, ROPE, SCALE  # noqa: E402
 from encore.backends.base import MLADims  # noqa: E402
 from encore.backends.flashinfer_backend import _WORKSPACE_BYTES, _MLAPlan, _rows, unsupported_reason  # noqa: E402
 from encore.backends.triton_mla import (  # noqa: E402
-    KernelConfig, _num_sms, choose_num_kv_splits, default_decode_config, mla_decode)
+    KernelConfig, _num_sms, choose_num_kv_splits, decode_config, mla_decode)
 
 TOLERANCE = 2e-2
 MIN_SPLIT_KEYS = 16
 MAX_PROGRAMS_PER_SM = 8
-# ptxas for sm_90 (triton 3.9, R = 512, Dr = 64, bf16) fits every tile up to 136 ``tile_registers`` in
-# 255 registers, spills under 64 bytes at 172 (16 x 32 on 4 warps, 32 x 64 on 8) and hundreds from 218
-# on (block_m 64 at any warp count, block_m 32 on 4 warps but 32 x 16).
-MAX_TILE_REGISTERS = 176
+# ``tile_registers`` counts the operands as registers, as the mma.sync dots of block_m 16-32 hold them;
+# ptxas for sm_90 (R = 512, Dr = 64, bf16) fits those up to 136 in 255 registers, spills under 64 bytes
+# at 172 and hundreds from 218 on. block_m 64 on eight warps (272) compiles to warpgroup MMAs that read
+# the operands from shared memory, and fits (Triton 3.6: 255 registers, no spill); on four warps (544)
+# it spills. 300 keeps the former.
+MAX_TILE_REGISTERS = 300
 GRAPH_US = 200  # calls per graph: enough of the default's to fill this, at most MAX_CALLS
 MAX_CALLS = 16
 # --smoke: sizes the interpreter runs in seconds; float16, as its bfloat16 tl.dot is wrong
@@ -91,9 +95,9 @@ class Shape:
 
     def default(self, num_sms: int) -> Candidate:
         """What the Triton backend launches for this shape."""
-        config = default_decode_config(self.q_len, self.heads)
-        return choose_num_kv_splits(self.batch, self.heads, self.q_len, self.width * self.page_size, num_sms,
-                                    config.block_m), config
+        max_seq_len = self.width * self.page_size
+        config = decode_config(self.batch, self.heads, self.q_len, max_seq_len, num_sms, self.q_lat.dtype)
+        return choose_num_kv_splits(self.batch, self.heads, self.q_len, max_seq_len, num_sms, config), config
 
     def decode(self, candidate: Candidate) -> torch.Tensor:
         splits, config = candidate
@@ -174,7 +178,7 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def flashinfer_launch(shape: Shape, dims: MLADims, workspace: torch.Tensor):
     """flashinfer's absorbed MLA on ``shape``'s inputs, planned as encore's flashinfer backend plans a decode."""
     plan = _MLAPlan(workspace, None, None)
-    rows = _rows([shape.q_len] * shape.batch, [shape.seq_len] * shape.batch, shape.page_size, shape.width)
+    rows = _rows([shape.q_len] * shape.batch, [shape.seq_len] * shape.batch, shape.page_size)
     plan.plan(rows, shape.page_table, dims, shape.page_size, shape.q_len > 1, shape.q_lat.dtype, shape.kv_cache.dtype)
     return lambda: plan.wrapper.run(query=(shape.q_lat, shape.q_pe), kv_cache=shape.kv_cache)
 
@@ -252,7 +256,7 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--num-stages", type=int, nargs="+", default=[3])
+    ap.add_argument("--num-stages", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--max-tile-registers", type=float, default=MAX_TILE_REGISTERS,
                     help="prune tiles above this many tile_registers (they spill); raise it to time them too")
     ap.add_argument("--iters", type=int, default=20, help="timed graph replays per candidate")

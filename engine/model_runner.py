@@ -148,7 +148,8 @@ class ModelRunner:
 
         The variants: each row of the fused MoE's config table (by token count), the prefill kernel
         (one), and per decode q_len the split-KV decode with one split (many rows, short tables) and
-        with several (one row, the widest table). Each step runs on the dummy page (``scratch_batch``)."""
+        with several (one row, the widest table), and the decode launch settings the backend picks by
+        shape (``AttentionBackend.warm_up_decode``). Each step runs on the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
         from encore.backends.moe_triton import config_token_counts
@@ -168,6 +169,8 @@ class ModelRunner:
                 steps.append(([], min(config.max_num_seqs, config.max_num_batched_tokens // q), q, -(-q // page)))
         for extend_lens, decodes, q_len, width in steps:
             self._forward_eager(scratch_batch(extend_lens, decodes, q_len, width, page, self.device))
+        for q in sorted(q_lens):
+            self.backend.warm_up_decode(q)
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)

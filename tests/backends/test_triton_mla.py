@@ -25,7 +25,8 @@ if not torch.cuda.is_available() and not TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from encore.backends.triton_mla import (  # noqa: E402
-    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, mla_decode, mla_prefill)
+    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_config, decode_configs, mla_decode, mla_prefill,
+    warm_up_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -121,11 +122,12 @@ def make_prefill(rows, heads, dim, dim_v, dtype, seed=0):
 # ---------------------------------------------------------------- decode (CPU: interpreter)
 
 @in_process
-@pytest.mark.parametrize("num_kv_splits", [1, 3, None])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 37, None])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("q_len", [1, 2, 3, 4])
 def test_decode_matches_reference(q_len, page_size, num_kv_splits, config=None):
     # seq_len == q_len: the whole context is this step's tokens, and with 3 splits two are empty.
+    # 37 splits: the merge takes them in several chunks, the last one partial, most of them empty.
     seq_lens = [q_len, q_len + 5, 37, 70]
     heads, rank, rope, scale = 6, 32, 16, 0.3
     q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, heads, rank, rope, page_size, torch.float32)
@@ -168,13 +170,53 @@ def test_decode_query_without_keys_writes_zeros(num_kv_splits):
 
 def test_choose_num_kv_splits():
     # Many rows fill the GPU without splitting; one long row splits up to the cap; a short one by length
-    # (32 keys a split at least); a grid short of the SMs splits to fill them once.
-    assert choose_num_kv_splits(batch=256, num_heads=16, q_len=1, max_seq_len=8192, num_sms=132, block_m=16) == 1
+    # (32 keys a split at least, block_n if more); a grid short of the SMs splits to fill them once, at
+    # two programs an SM for four warps and one for eight.
+    small, wide = KernelConfig(16, 32, 4, 3), KernelConfig(64, 64, 8, 3)
+    assert choose_num_kv_splits(batch=512, num_heads=16, q_len=1, max_seq_len=8192, num_sms=132, config=small) == 1
     assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=65536, num_sms=132,
-                                block_m=16) == MAX_KV_SPLITS
-    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, block_m=16) == 10
-    assert choose_num_kv_splits(batch=8, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=64) == 17
-    assert choose_num_kv_splits(batch=64, num_heads=16, q_len=4, max_seq_len=8192, num_sms=132, block_m=32) == 2
+                                config=small) == MAX_KV_SPLITS
+    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, config=small) == 10
+    assert choose_num_kv_splits(batch=1, num_heads=16, q_len=1, max_seq_len=300, num_sms=132, config=wide) == 5
+    assert choose_num_kv_splits(batch=64, num_heads=16, q_len=1, max_seq_len=1088, num_sms=132, config=small) == 4
+    assert choose_num_kv_splits(batch=8, num_heads=16, q_len=4, max_seq_len=8256, num_sms=132, config=wide) == 16
+    assert choose_num_kv_splits(batch=64, num_heads=16, q_len=4, max_seq_len=8256, num_sms=132, config=wide) == 2
+
+
+@pytest.mark.parametrize(("batch", "q_len", "max_seq_len", "want"), [
+    (1, 1, 1088, (16, 32, 4, 3)),  # short splits: not pipelined
+    (64, 1, 1088, (16, 32, 4, 5)),  # 4 splits of 272 keys: pipelined
+    (8, 1, 8256, (16, 32, 4, 5)),
+    (1, 4, 1088, (16, 32, 4, 3)),  # the wide tile's grid would not fill the SMs
+    (8, 4, 1088, (64, 64, 8, 3)),  # warpgroup MMAs; 64 x 64 buffers leave no room for a second stage
+    (64, 2, 1088, (32, 64, 8, 5)),
+    (8, 2, 1088, (32, 64, 8, 3)),  # 16 splits of 68 keys
+])
+def test_decode_config(batch, q_len, max_seq_len, want):
+    got = decode_config(batch, 16, q_len, max_seq_len, 132, torch.bfloat16)
+    assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == want
+    # float32 keeps the untuned tiles, unpipelined
+    f32 = decode_config(batch, 16, q_len, max_seq_len, 132, torch.float32)
+    assert (f32.block_m, f32.num_stages) == ((16, 3) if q_len == 1 else (32, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [4, 16, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5])
+def test_decode_configs_lists_every_pick(heads, q_len, dtype):
+    # The warm-up compiles decode_configs(); a pick outside it would compile while serving.
+    listed = decode_configs(heads, q_len, dtype)
+    for rows in range(1, 300, 7):
+        for max_seq_len in (1, 16, 64, 100, 300, 1000, 3000, 8256, 20000, 131072):
+            assert decode_config(rows, heads, q_len, max_seq_len, 132, dtype) in listed, (rows, max_seq_len)
+
+
+@in_process
+def test_warm_up_decode_launches_each_variant():
+    cache = torch.randn(3, 4, 32 + 16, device=DEVICE, dtype=torch.float16)
+    # 4 (position, head) pairs a row: one row and enough rows to fill the (interpreter's 8) SMs, for
+    # both merge widths, x each listed config x (one split, two)
+    assert warm_up_decode(cache, 0, 2, 2, 16, 0.3) == 2 * len(decode_configs(2, 2, torch.float16)) * 2
 
 
 @in_process
@@ -268,6 +310,28 @@ def test_decode_real_sizes_gpu(heads, q_len, page_size, dtype, num_kv_splits):
     mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5, out, num_kv_splits=num_kv_splits)
     ref = decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5)
     assert max_rel_error(out, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize(("q_len", "config"), [
+    (1, KernelConfig(16, 32, 4, 5)), (2, KernelConfig(32, 64, 8, 5)), (4, KernelConfig(64, 64, 8, 3)),
+    (3, KernelConfig(64, 64, 8, 3)), (4, KernelConfig(16, 32, 4, 5)), (1, KernelConfig(16, 32, 4, 7))],
+    ids=["q1-m16-pipelined", "q2-m32-pipelined", "q4-m64-wgmma", "q3-m64-idle-lanes", "q4-m16-pipelined",
+         "q1-three-buffers"])
+@pytest.mark.parametrize("num_kv_splits", [1, 5])
+def test_decode_tuned_configs_gpu(q_len, config, page_size, dtype, num_kv_splits):
+    """The launch settings ``decode_config`` picks, each forced on rows shorter than one tile, across
+    page and split boundaries, and long enough for the pipelined loop to run many iterations."""
+    seq_lens = [q_len, 37, 1000, 4099 + q_len, 9000]
+    q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, 16, 512, 64, page_size, dtype)
+    out = torch.empty_like(q_lat)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5, out, num_kv_splits=num_kv_splits,
+               config=config)
+    ref = decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, 192 ** -0.5)
+    assert max_rel_error(out, ref) < BF16_TOL
 
 
 @pytest.mark.gpu

@@ -47,8 +47,8 @@ CHILD = r"""
 import json, sys
 from encore.engine import Engine, SamplingParams
 
-engine = Engine(device="cuda", dtype="float32", max_num_seqs=64, num_kv_pages=4096, compile=False,
-                cuda_graphs=False, **json.loads(sys.argv[1]))
+engine = Engine(device="cuda", max_num_seqs=64, num_kv_pages=4096, compile=False, cuda_graphs=False,
+                **{"dtype": "float32", **json.loads(sys.argv[1])})
 start = engine.stats()
 params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 n = 0
@@ -67,8 +67,11 @@ print(json.dumps({"start": start, "end": engine.stats()}))
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("options", [{}, {"speculative": {"method": "mtp", "num_speculative_tokens": 2}}],
-                         ids=["plain", "mtp-k2"])
+@pytest.mark.parametrize("options", [{}, {"speculative": {"method": "mtp", "num_speculative_tokens": 2}},
+                                     {"dtype": "bfloat16", "attention_backend": "triton"},
+                                     {"dtype": "bfloat16", "attention_backend": "triton",
+                                      "speculative": {"method": "mtp", "num_speculative_tokens": 3}}],
+                         ids=["plain", "mtp-k2", "bf16-triton", "bf16-triton-mtp-k3"])
 def test_eager_steps_of_any_shape_compile_no_kernel_gpu(options):
     child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(options)], capture_output=True, text=True,
                            timeout=600)
