@@ -30,7 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
 
     def warm_up_decode(self, q_len: int) -> int:
-        # Launch settings follow the step's rows and table width (triton_mla.decode_config): each is
+        # Launch settings follow the step's rows and table width (triton_mla.decode_launch): each is
         # launched here rather than found by trying step shapes.
         if not self.kv_caches:
             return 0
@@ -54,7 +54,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
-        rows, q_len = batch.num_decodes, batch.q_len_per_req
+        q_len = batch.q_len_per_req
         pages = batch.page_table[batch.num_extends:]  # [B, P]
         dtype = q_nope.dtype
         # Head-major latents: the batched GEMMs read and write [H, T, ·] directly, and the kernel takes

@@ -77,6 +77,7 @@ class KernelConfig:
 
 
 SMALL_DECODE = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
+_FLOAT32_WIDE = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
 # Software pipelining: Triton double-buffers the KV loop from num_stages 5 on (the page-table load
 # ahead of the KV load takes the stages below that: at 3 the next tile's copy is issued after this
 # tile's dots, at 5 it is in flight during them). It pays once a split has this many keys; shorter
@@ -85,32 +86,35 @@ PIPELINE_MIN_KEYS = 192
 PIPELINED_STAGES = 5
 
 
-_FLOAT32_WIDE = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
+def _tiles(pairs: int, dtype: torch.dtype) -> list[KernelConfig]:
+    """The tiles ``decode_launch`` chooses between for rows of ``pairs`` (position, head) pairs: the
+    small one first, then (16-bit, more than 16 pairs) the wide one."""
+    if dtype == torch.float32:
+        return [SMALL_DECODE if pairs <= 16 else _FLOAT32_WIDE]
+    if pairs <= 16:
+        return [SMALL_DECODE]
+    return [SMALL_DECODE, KernelConfig(block_m=32 if pairs <= 32 else 64, block_n=64, num_warps=8, num_stages=3)]
 
 
-def _wide_config(pairs: int) -> KernelConfig:
-    return KernelConfig(block_m=32 if pairs <= 32 else 64, block_n=64, num_warps=8, num_stages=3)
+def _pipelined(config: KernelConfig, dtype: torch.dtype) -> KernelConfig | None:
+    """``config`` at PIPELINED_STAGES where its two KV buffers fit the shared memory (16-bit, up to 32
+    pairs: 64 × 64 tiles leave no room for the second), else None."""
+    if dtype == torch.float32 or config.block_m > 32:
+        return None
+    return dataclasses.replace(config, num_stages=PIPELINED_STAGES)
 
 
 def decode_configs(num_heads: int, q_len: int, dtype: torch.dtype) -> list[KernelConfig]:
-    """Every launch setting ``decode_config`` can pick for rows of ``q_len`` tokens (the warm-up
+    """Every launch setting ``decode_launch`` can pick for rows of ``q_len`` tokens (the warm-up
     compiles each, ``warm_up_decode``)."""
-    pairs = q_len * num_heads
-    if dtype == torch.float32:
-        return [SMALL_DECODE] if pairs <= 16 else [_FLOAT32_WIDE]
-    configs = [SMALL_DECODE, dataclasses.replace(SMALL_DECODE, num_stages=PIPELINED_STAGES)]
-    if pairs > 16:
-        wide = _wide_config(pairs)
-        configs.append(wide)
-        if wide.block_m <= 32:
-            configs.append(dataclasses.replace(wide, num_stages=PIPELINED_STAGES))
-    return configs
+    tiles = _tiles(q_len * num_heads, dtype)
+    return tiles + [p for p in (_pipelined(t, dtype) for t in tiles) if p is not None]
 
 
-def decode_config(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
-                  dtype: torch.dtype) -> KernelConfig:
-    """Launch settings measured on an H200 (benchmarks/tune_mla_decode.py, bf16, H 16, R 512,
-    q_len 1/2/4 × bs 1/8/64 × 1k/8k keys). 16-bit:
+def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
+                  dtype: torch.dtype) -> tuple[int, KernelConfig]:
+    """(KV splits, launch settings) for a decode step, measured on an H200 (benchmarks/tune_mla_decode.py,
+    bf16, H 16, R 512, q_len 1/2/4 × bs 1/8/64 × 1k/8k keys). 16-bit:
 
     - 16 (position, head) pairs per program, 32 keys a tile, four warps (a [16, 512] float32
       accumulator fits their registers), when a row has no more pairs or when even the wide tile's
@@ -119,20 +123,20 @@ def decode_config(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_
     - else 32 pairs (q_len·H ≤ 32) or 64 pairs (more) per program, 64 keys a tile, eight warps; at
       64 pairs the dots are Hopper warpgroup MMAs (bs 64 × q_len 4 × 8k: 577 -> 331 µs against 32 pairs).
     - num_stages PIPELINED_STAGES where a split has PIPELINE_MIN_KEYS keys or more and the buffers fit
-      the shared memory (not with 64 × 64 tiles: 3 stages, one buffer).
+      the shared memory (``_pipelined``).
 
     float32 (exact ``ieee`` dots on CUDA cores; tests and the tiny model): 16 × 32 on four warps for
     up to 16 pairs, else 32 × 64 on eight, unpipelined; not tuned."""
     pairs = q_len * num_heads
-    if dtype == torch.float32:
-        return SMALL_DECODE if pairs <= 16 else _FLOAT32_WIDE
-    wide = _wide_config(pairs)
-    fills = batch * triton.cdiv(pairs, wide.block_m) * triton.cdiv(max_seq_len, wide.block_n) >= num_sms
-    config = wide if pairs > 16 and fills else SMALL_DECODE
+    tiles = _tiles(pairs, dtype)
+    config = tiles[-1]
+    if batch * triton.cdiv(pairs, config.block_m) * triton.cdiv(max_seq_len, config.block_n) < num_sms:
+        config = tiles[0]  # the wide tile's grid would not fill the SMs
     splits = choose_num_kv_splits(batch, num_heads, q_len, max_seq_len, num_sms, config)
-    if config.block_m <= 32 and triton.cdiv(max_seq_len, splits) >= PIPELINE_MIN_KEYS:
-        config = dataclasses.replace(config, num_stages=PIPELINED_STAGES)
-    return config
+    pipelined = _pipelined(config, dtype)
+    if pipelined is not None and triton.cdiv(max_seq_len, splits) >= PIPELINE_MIN_KEYS:
+        config = pipelined
+    return splits, config
 
 
 def default_prefill_config(dtype: torch.dtype) -> KernelConfig:
@@ -294,8 +298,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc).
     Query i of row b sits at position seq_lens[b] - q_len + i and sees keys 0..that position; the
     caller guarantees seq_lens[b] <= max_pages·page_size. ``config`` and ``num_kv_splits`` None: chosen
-    from the SM count and the page table's capacity (``decode_config``, ``choose_num_kv_splits``:
-    static, so a captured graph stays valid for any seq_lens).
+    from the SM count and the page table's capacity (``decode_launch``, or ``choose_num_kv_splits`` for
+    a given config: static, so a captured graph stays valid for any seq_lens).
     """
     _check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
     tokens, heads, rank = q_lat.shape
@@ -319,8 +323,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     _check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
     page_size = kv_cache.shape[1]
     max_seq_len, num_sms = page_table.shape[1] * page_size, _num_sms(q_lat.device)
-    config = config or decode_config(batch, heads, q_len, max_seq_len, num_sms, q_lat.dtype)
-    if num_kv_splits is None:
+    if config is None:
+        splits, config = decode_launch(batch, heads, q_len, max_seq_len, num_sms, q_lat.dtype)
+        num_kv_splits = splits if num_kv_splits is None else num_kv_splits
+    elif num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(batch, heads, q_len, max_seq_len, num_sms, config)
     _check(1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits={num_kv_splits}: allowed 1..{MAX_KV_SPLITS}")
     if tokens == 0:
@@ -343,7 +349,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages)
     if not direct:
-        block_c = _merge_columns(tokens, heads, _num_sms(out.device), block_r)
+        block_c = _merge_columns(tokens, heads, num_sms, block_r)
         _decode_merge_kernel[(tokens, heads, triton.cdiv(rank, block_c))](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
             BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), CHUNK_S=_MERGE_CHUNK, BLOCK_C=block_c, num_warps=4)

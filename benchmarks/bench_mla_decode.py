@@ -9,7 +9,7 @@ every call reads its KV from HBM as a model step does (other layers' weights evi
 
     python benchmarks/bench_mla_decode.py [--page-size 64] [--json out.json]
 
-``tune_mla_decode.py`` is the sweep that tunes ``decode_config`` / ``choose_num_kv_splits``.
+``tune_mla_decode.py`` is the sweep that tunes ``decode_launch`` / ``choose_num_kv_splits``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Launch-setting sweep of the Triton MLA decode kernel, to retune ``decode_config`` and
+"""Launch-setting sweep of the Triton MLA decode kernel, to retune ``decode_launch`` and
 ``choose_num_kv_splits`` (backends/triton_mla.py).
 
 For each q_len × batch × context (every row at ``context`` cached tokens plus ``q_len`` new ones,
@@ -6,7 +6,7 @@ H × (R + Dr) latent, pages shuffled): every num_kv_splits × KernelConfig of th
 is run once and checked against the default's output (max |diff| / max |default| <= 2e-2, else
 rejected), then timed by replaying a CUDA graph of back-to-back calls (median of the replays);
 configurations that fail to compile or launch are skipped and counted. Beside them: the default
-(``decode_config`` + ``choose_num_kv_splits``) and, where it runs, flashinfer's
+(``decode_launch``) and, where it runs, flashinfer's
 ``BatchMLAPagedAttentionWrapper`` planned as encore's flashinfer backend plans a decode. One input
 per shape, so the KV stays in L2 where it fits (bs 1 and 8 at 1k): times there are below a model step's.
 
@@ -51,7 +51,7 @@ from bench_mla_decode import HEADS, RANK, ROPE, SCALE  # noqa: E402
 from encore.backends.base import MLADims  # noqa: E402
 from encore.backends.flashinfer_backend import _WORKSPACE_BYTES, _MLAPlan, _rows, unsupported_reason  # noqa: E402
 from encore.backends.triton_mla import (  # noqa: E402
-    KernelConfig, _num_sms, choose_num_kv_splits, decode_config, mla_decode)
+    KernelConfig, _num_sms, decode_launch, mla_decode)
 
 TOLERANCE = 2e-2
 MIN_SPLIT_KEYS = 16
@@ -95,9 +95,8 @@ class Shape:
 
     def default(self, num_sms: int) -> Candidate:
         """What the Triton backend launches for this shape."""
-        max_seq_len = self.width * self.page_size
-        config = decode_config(self.batch, self.heads, self.q_len, max_seq_len, num_sms, self.q_lat.dtype)
-        return choose_num_kv_splits(self.batch, self.heads, self.q_len, max_seq_len, num_sms, config), config
+        return decode_launch(self.batch, self.heads, self.q_len, self.width * self.page_size, num_sms,
+                             self.q_lat.dtype)
 
     def decode(self, candidate: Candidate) -> torch.Tensor:
         splits, config = candidate

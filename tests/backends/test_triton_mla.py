@@ -25,7 +25,7 @@ if not torch.cuda.is_available() and not TOO_LATE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from encore.backends.triton_mla import (  # noqa: E402
-    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_config, decode_configs, mla_decode, mla_prefill,
+    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, mla_prefill,
     warm_up_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,11 +192,11 @@ def test_choose_num_kv_splits():
     (64, 2, 1088, (32, 64, 8, 5)),
     (8, 2, 1088, (32, 64, 8, 3)),  # 16 splits of 68 keys
 ])
-def test_decode_config(batch, q_len, max_seq_len, want):
-    got = decode_config(batch, 16, q_len, max_seq_len, 132, torch.bfloat16)
+def test_decode_launch(batch, q_len, max_seq_len, want):
+    _, got = decode_launch(batch, 16, q_len, max_seq_len, 132, torch.bfloat16)
     assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == want
     # float32 keeps the untuned tiles, unpipelined
-    f32 = decode_config(batch, 16, q_len, max_seq_len, 132, torch.float32)
+    _, f32 = decode_launch(batch, 16, q_len, max_seq_len, 132, torch.float32)
     assert (f32.block_m, f32.num_stages) == ((16, 3) if q_len == 1 else (32, 3))
 
 
@@ -208,7 +208,7 @@ def test_decode_configs_lists_every_pick(heads, q_len, dtype):
     listed = decode_configs(heads, q_len, dtype)
     for rows in range(1, 300, 7):
         for max_seq_len in (1, 16, 64, 100, 300, 1000, 3000, 8256, 20000, 131072):
-            assert decode_config(rows, heads, q_len, max_seq_len, 132, dtype) in listed, (rows, max_seq_len)
+            assert decode_launch(rows, heads, q_len, max_seq_len, 132, dtype)[1] in listed, (rows, max_seq_len)
 
 
 @in_process
@@ -323,7 +323,7 @@ def test_decode_real_sizes_gpu(heads, q_len, page_size, dtype, num_kv_splits):
          "q1-three-buffers"])
 @pytest.mark.parametrize("num_kv_splits", [1, 5])
 def test_decode_tuned_configs_gpu(q_len, config, page_size, dtype, num_kv_splits):
-    """The launch settings ``decode_config`` picks, each forced on rows shorter than one tile, across
+    """The launch settings ``decode_launch`` picks, each forced on rows shorter than one tile, across
     page and split boundaries, and long enough for the pipelined loop to run many iterations."""
     seq_lens = [q_len, 37, 1000, 4099 + q_len, 9000]
     q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, 16, 512, 64, page_size, dtype)
