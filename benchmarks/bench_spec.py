@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -54,27 +55,31 @@ def verify_vs_decode(context: int, iters: int) -> list[dict]:
     return rows
 
 
-def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str
+def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str, repeats: int
                  ) -> tuple[float, dict, dict[str, list[int]]]:
+    """Median tokens/s of ``repeats`` timed generate calls, after one untimed call of the same
+    requests (a graph's first replay pays its upload; eager prefill kernels JIT-compile per shape)."""
     engine = Engine(device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True, max_model_len=512,
                     speculative=speculative, **KEYS)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
-    # Warm-up on the same batch (eager prefill kernels JIT-compile per shape on first use).
-    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return bs * max_tokens / seconds, engine.stats(), {o.request_id: o.token_ids for o in outs}
+    tokens = {o.request_id: o.token_ids for o in engine.generate(prompts, params)}
+    rates = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        rates.append(bs * max_tokens / (time.perf_counter() - start))
+        tokens.update((o.request_id, o.token_ids) for o in outs)
+    return statistics.median(rates), engine.stats(), tokens
 
 
-def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str) -> list[dict]:
+def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, repeats: int) -> list[dict]:
     rows = []
     for bs in (1, 16):
-        # Every engine here runs the same warm-up and generate calls, so a request id names the same row
-        # in each, and the replaying drafter replays the plain run's tokens under it.
-        plain, _, truth = tokens_per_s(bs, None, max_tokens + 8, compile_, dtype)
+        # Every engine here runs the same generate calls, so a request id names the same row in each,
+        # and the replaying drafter replays the plain run's tokens under it.
+        plain, _, truth = tokens_per_s(bs, None, max_tokens + 8, compile_, dtype, repeats)
         rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(plain, 1), "speedup": 1.0,
                      "acceptance": None})
         configs = ([("mtp", None)] if "mtp" in methods else []) + (
@@ -84,7 +89,7 @@ def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str) 
                 spec = {"method": method, "num_speculative_tokens": k}
                 if method == "replay":
                     spec.update(continuations=truth, error_rate=error)
-                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_, dtype)
+                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_, dtype, repeats)
                 label = "mtp" if method == "mtp" else f"replay err {error}"
                 rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(tps, 1),
                              "speedup": round(tps / plain, 2), "acceptance": round(stats["spec_acceptance_rate"], 3),
@@ -105,6 +110,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="part B with compiled graphs (target and drafter)")
     ap.add_argument("--dtype", default="float32", help="part B's dtype; the replay drafter needs float32 "
                     "(module docstring), real MTP runs in the checkpoint's bfloat16 too")
+    ap.add_argument("--repeats", type=int, default=5, help="timed generate calls per row of part B (median)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}")
@@ -114,7 +120,7 @@ def main() -> None:
         print(f"{'bs':>3} {'q_len':>5} {'ms':>8} {'x decode':>9}")
         for r in a:
             print(f"{r['bs']:>3} {r['q_len']:>5} {r['ms']:>8} {r['x_decode']:>9}")
-    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype)
+    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype, args.repeats)
     print(f"B. encore-tiny end to end, {args.dtype}, greedy, CUDA graphs, compile={args.compile} "
           "(replay acceptance is synthetic)")
     print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}")

@@ -15,6 +15,7 @@ from encore.engine.config import EngineConfig
 from encore.graphs.runner import KeyReport
 from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitmask
+from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelRunner
 from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
@@ -202,6 +203,9 @@ class Engine:
         return outputs
 
     def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:
+        if plain_greedy(sampled):  # no sampling tensors, and on a DECODE key its greedy head graph
+            return [RowResult(req, [token], None, None)
+                    for req, token in zip(sampled, self.runner.run_greedy(batch).tolist())]
         result = self.runner.run(batch, sampling_tensors(sampled, self.runner.device), masks)
         token_ids = result.token_ids.tolist()
         logprobs = None

@@ -11,10 +11,11 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims
 from encore.backends.context import StepContext
 from encore.backends.kernel_variants import compiled_variants
-from encore.backends.metadata import ForwardBatch
+from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.selection import select_backend
 from encore.engine.config import EngineConfig
 from encore.engine.grammar import apply_bitmask
+from encore.engine.head_graphs import HeadGraphs
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from encore.engine.spec.draft_kv_cache import DraftKVCache
@@ -101,6 +102,7 @@ class ModelRunner:
         cache = GraphCache.for_engine(config, cfg) if config.use_compile or config.use_cuda_graphs else None
         self.graphs = self._graph_runner(config, cache) if cache is not None else None
         self.graph_cache = cache if self.graphs is not None else None
+        self.heads: HeadGraphs | None = None  # captured with the target's graphs (prepare_graphs)
         self.eager_steps = 0
         self.kernel_variants_at_start: int | None = None  # set by warm_up_kernels
 
@@ -133,6 +135,9 @@ class ModelRunner:
         found = self.graph_cache.read_manifest()  # a stale or corrupt cache is deleted here
         with self.graph_cache.active():
             reports = self.graphs.prepare(on_key)
+        if self.graphs.cuda_graphs:
+            self.heads = HeadGraphs(self.graphs, self.model.compute_logits)
+            self.heads.capture()
         if found is None or rewrite_manifest:
             self.graph_cache.write_manifest(reports)
         else:
@@ -234,9 +239,21 @@ class ModelRunner:
             "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
             "loaded_graphs": compiled.loaded_graphs if compiled is not None else 0,
             "recompiles": compiled.recompiles if compiled is not None else 0,
+            "head_graph_replays": self.heads.replays if self.heads is not None else 0,
             "kernel_compiles": (compiled_variants() - self.kernel_variants_at_start
                                 if self.kernel_variants_at_start is not None else 0),
         }
+
+    @torch.inference_mode()
+    def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
+        """Token ids [N] of a step whose logits rows are all plain greedy (head_graphs.plain_greedy):
+        through the key's head graph where the step replayed a DECODE graph, else the argmax of its
+        logits."""
+        decode = batch.mode is ForwardMode.DECODE  # every token is a logits row
+        hidden = self.forward(batch, None if decode else batch.gather_ids)
+        if decode and self.heads is not None and self.heads.run(self.graphs.last_replayed):
+            return self.heads.tokens[:batch.num_tokens]
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, sampling: SamplingTensors,

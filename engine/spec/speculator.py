@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from encore.backends.metadata import ForwardBatch, ForwardMode
+from encore.engine.head_graphs import plain_greedy
+from encore.engine.kv_cache import DUMMY_PAGE
 from encore.engine.request import Request, TokenLogprob
 from encore.engine.sampler import SamplingTensors, needs_token_history, processed_probs, sample_from_probs
 from encore.engine.scheduler import ScheduledStep
@@ -78,7 +80,8 @@ class Speculator:
                 self.compiled_drafter = CompiledDrafter(self.model_drafter.forward,
                                                         graphs.compiled.passes_for(ForwardMode.DECODE),
                                                         compile_threads=graphs.compiled.compile_threads)
-            self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft)
+            self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft, runner.heads.tokens,
+                                            runner.heads.accepted)
             self.draft_graphs.capture()
 
     @property
@@ -118,20 +121,26 @@ class Speculator:
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
         t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
         hidden = runner.forward(batch)  # [T, hidden]
-        logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
-        runner.apply_masks(logits, masks)
-        if greedy:
-            choice = logits.argmax(dim=-1)  # [N]: every row's token is the target's argmax
-            plain_tokens = choice[:n_plain]
-            spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
+        logits = None
+        if self._verified_in_head(batch, sampled, caps):
+            plain_tokens = drafts.new_zeros(0)
+            spec = Verdict(runner.heads.accepted[:rows], runner.heads.tokens[:rows * q_len].view(rows, q_len))
         else:
-            probs = processed_probs(logits, t)  # [N, V]
-            plain_tokens = verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
-                                  t.counters[:n_plain]).tokens[:, 0]
-            spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
-                          self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len], t.counters[n_plain::q_len],
-                          caps)
-        drafting, new_drafts = (self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec)
+            logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
+            runner.apply_masks(logits, masks)
+            if greedy:
+                choice = logits.argmax(dim=-1)  # [N]: every row's token is the target's argmax
+                plain_tokens = choice[:n_plain]
+                spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
+            else:
+                probs = processed_probs(logits, t)  # [N, V]
+                plain_tokens = verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
+                                      t.counters[:n_plain]).tokens[:, 0]
+                spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
+                              self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len],
+                              t.counters[n_plain::q_len], caps)
+        drafting, new_drafts = (self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec,
+                                                  in_buffers=logits is None)
                                 if self.model_drafter is not None else ([], None))
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
@@ -163,6 +172,14 @@ class Speculator:
             req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
 
+    def _verified_in_head(self, batch: ForwardBatch, sampled: list[Request], caps: torch.Tensor | None) -> bool:
+        """Replays the greedy head graph of the DECODE key the step just replayed, where its rows are
+        plain greedy and none opted out (no caps): the verdict is then in the head's buffers, where the
+        draft graph reads it (engine/head_graphs.py). False where it did not run."""
+        runner = self.runner
+        return (caps is None and batch.mode is ForwardMode.DECODE and runner.heads is not None
+                and plain_greedy(sampled) and runner.heads.run(runner.graphs.last_replayed))
+
     def _target_tensors(self, sampled: list[Request], n_plain: int, decodes: list[Request],
                         device: torch.device) -> SamplingTensors:
         """Per logits row: the j-th row of a verify row samples the token after j accepted drafts,
@@ -187,24 +204,19 @@ class Speculator:
         return torch.stack([self.draft_probs.get(r.request_id, one_hot[b]) for b, r in enumerate(decodes)])
 
     def _model_draft(self, step: ScheduledStep, batch: ForwardBatch, completing: list[Request], hidden: torch.Tensor,
-                     plain_tokens: torch.Tensor, spec: Verdict) -> tuple[list[Request], torch.Tensor]:
+                     plain_tokens: torch.Tensor, spec: Verdict, in_buffers: bool) -> tuple[list[Request], torch.Tensor]:
         """The drafting rows (``completing``: the prefill rows that complete their prompt, then the
-        verify rows) and their k drafts [D, k]."""
+        verify rows) and their k drafts [D, k]. ``in_buffers``: the verdict is already in the draft
+        graphs' buffers (the head graph wrote it)."""
         k, q_len = self.k, self.q_len
         device = self.runner.device
         drafting = completing + step.decodes
         # A row that opted out has its drafts replaced (``prepare``): any pick serves it.
         greedy = all(r.params.greedy or r.params.speculative is False for r in drafting)
-        if greedy and not step.extends and self.draft_graphs is not None:
-            drafts = self.draft_graphs.run(self.runner.graphs.last_replayed, spec.tokens, spec.num_accepted)
-            if drafts is not None:
-                return drafting, drafts
-        self.drafter_eager_steps += 1
         # Tokens shifted by one: position i is fed the token at i + 1.
         shifted: list[int] = []
         fill_at: list[int] = []  # positions whose next token is this step's sampled token
         src_rows: list[int] = []
-        src_tokens: list[int] = []
         for row, (req, n) in enumerate(step.extends):
             start, end = req.num_computed, req.num_computed + n
             shifted.extend(req.token_ids[start + 1:end + 1])
@@ -212,7 +224,14 @@ class Speculator:
                 fill_at.append(len(shifted))
                 shifted.append(0)
                 src_rows.append(row)
-                src_tokens.append(len(shifted) - 1)
+        if greedy and self.draft_graphs is not None:
+            key = self.runner.graphs.last_replayed
+            drafts = (self.draft_graphs.run_prefill(key, shifted, list(zip(src_rows, fill_at)), plain_tokens, spec)
+                      if step.extends else
+                      self.draft_graphs.run(key, len(step.decodes), None if in_buffers else spec))
+            if drafts is not None:
+                return drafting, drafts
+        self.drafter_eager_steps += 1
         te = len(shifted)
         ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
         ids[:te] = torch.tensor(shifted, dtype=torch.long, device=device)
@@ -223,13 +242,14 @@ class Speculator:
             self._drafter_pass(self.model_drafter.forward, batch, ids, self.model_drafter.first_input(hidden))
             return drafting, torch.zeros(0, k, dtype=torch.long, device=device)
         rows = len(step.decodes)
-        src = torch.cat([torch.tensor(src_tokens, dtype=torch.long, device=device),
+        src = torch.cat([torch.tensor(fill_at, dtype=torch.long, device=device),
                          te + torch.arange(rows, device=device) * q_len + spec.num_accepted])  # [D]
         src_row = torch.cat([torch.tensor(src_rows, dtype=torch.long, device=device),
                              batch.num_extends + torch.arange(rows, device=device)])
-        page_table = batch.page_table[src_row]  # [D, P]
+        steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
         if greedy:
-            return drafting, self._draft(batch, ids, hidden, src, page_table, _greedy_pick)
+            return drafting, self._draft(batch, ids, hidden, src, page_table, _greedy_pick, self.model_drafter.forward,
+                                         steps)
         prompt_lens = torch.tensor([len(r.prompt_token_ids) for r in drafting], dtype=torch.long, device=device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
@@ -243,38 +263,47 @@ class Speculator:
             return torch.where(t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters,
                                                                                        DRAFT_SALT))
 
-        drafts = self._draft(batch, ids, hidden, src, page_table, pick)
+        drafts = self._draft(batch, ids, hidden, src, page_table, pick, self.model_drafter.forward, steps)
         q_all = torch.stack(qs, dim=1)  # [D, k, V]
         for i, req in enumerate(drafting):
             if not req.params.greedy and req.params.speculative is not False:  # a cap of 0 never reads q
                 self.draft_probs[req.request_id] = q_all[i]
         return drafting, drafts
 
-    def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor,
-                     accepted: torch.Tensor) -> torch.Tensor:
-        """The greedy draft of a verify key's static step, as its draft graph captures it: every row
-        is a verify row, its first draft read at its accepted position. The backend's plan for the
-        step is already in place (made before the target's replay)."""
-        src = torch.arange(static.bs, device=ids.device) * self.q_len + accepted  # [bs]
-        return self._draft(static, ids, hidden, src, static.page_table, _greedy_pick, plan_first=False,
-                           forward=self.compiled_drafter)
+    def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
+                     page_table: torch.Tensor) -> torch.Tensor:
+        """The greedy draft of a key's static step, as its draft graph captures it (draft_graphs.py).
+        The backend's plan for the step is already in place (made before the target's replay). The
+        compiled drafter takes decode-only passes: a first pass over prefill rows runs the eager module."""
+        steps = self.compiled_drafter or self.model_drafter.forward
+        first = steps if static.mode is ForwardMode.DECODE else self.model_drafter.forward
+        return self._draft(static, ids, hidden, src, page_table, _greedy_pick, first, steps, plan_first=False)
+
+    def _draft_steps(self, page_table: torch.Tensor) -> tuple[Callable, torch.Tensor]:
+        """How an eager draft runs its decode-only steps 2..k, and the table [D, P'] they read: on the
+        compiled drafter where there is one, with the table padded to the width it was compiled for
+        (the graphs' tables), else eager on ``page_table`` [D, P] itself."""
+        compiled = self.compiled_drafter
+        width = self.runner.graphs.buffers.max_pages if compiled is not None else 0
+        if compiled is None or page_table.shape[1] > width:
+            return self.model_drafter.forward, page_table
+        return compiled, torch.nn.functional.pad(page_table, (0, width - page_table.shape[1]), value=DUMMY_PAGE)
 
     def _draft(self, batch: ForwardBatch, ids: torch.Tensor, target_hidden: torch.Tensor, src: torch.Tensor,
                page_table: torch.Tensor, pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               plan_first: bool = True, forward: Callable | None = None) -> torch.Tensor:
+               first: Callable, steps: Callable, plan_first: bool = True) -> torch.Tensor:
         """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``
         (pages ``page_table`` [D, P]); ``pick(logits [D, V], positions [D])`` chooses each draft.
-        ``forward`` runs each drafter pass (None: the drafter's own, eager)."""
+        ``first`` runs the first drafter pass, ``steps`` each decode-only step after it."""
         drafter = self.model_drafter
-        forward = forward or drafter.forward
-        h = self._drafter_pass(forward, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
+        h = self._drafter_pass(first, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
         positions = batch.positions[src]  # [D]
         drafts: list[torch.Tensor] = []
         for s in range(self.k):
             if s:
                 positions = positions + 1
                 step = _decode_batch(positions, page_table, batch.page_size, drafts[-1])
-                h = self._drafter_pass(forward, step, drafts[-1], h)
+                h = self._drafter_pass(steps, step, drafts[-1], h)
             drafts.append(pick(drafter.logits(h), positions))
         return torch.stack(drafts, dim=1)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from encore.engine import Engine, SamplingParams
+from workloads import run_staggered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,21 +40,59 @@ def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     assert alone == crowd and len(alone) == 16
 
 
-@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 4), ("ngram", 3)])
-def test_cuda_graph_speculative_greedy_matches_plain(method, k):
-    """Verify steps replay the target's graphs; MTP's greedy drafts of DECODE steps replay its draft
-    graphs (prefill steps draft eager)."""
-    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    small_keys = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
-                      graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+SPEC_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
+SPEC_GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SPEC_KEYS = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
+                 graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+
+
+@pytest.fixture(scope="module")
+def tiny_plain_tokens():
     plain = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=False)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
+    return [o.token_ids for o in plain.generate(SPEC_PROMPTS, SPEC_GREEDY)]
+
+
+@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 4), ("ngram", 3)])
+def test_cuda_graph_speculative_greedy_matches_plain(method, k, tiny_plain_tokens):
+    """Verify steps replay the target's graphs and verify in the keys' greedy head graphs; MTP's
+    greedy drafts of DECODE steps replay its draft graphs (prefill steps draft eager)."""
     spec = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=True,
-                  speculative={"method": method, "num_speculative_tokens": k}, **small_keys)
-    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+                  speculative={"method": method, "num_speculative_tokens": k}, **SPEC_KEYS)
+    assert [o.token_ids for o in spec.generate(SPEC_PROMPTS, SPEC_GREEDY)] == tiny_plain_tokens
     stats = spec.stats()
     assert stats["graph_replays"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats["head_graph_replays"] == stats["steps"]["DECODE"] > 0, stats
     if method == "mtp":
         assert stats["drafter_graph_replays"] > stats["drafter_eager_steps"] > 0, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_compiled_drafter_takes_eager_drafts_decode_steps(tiny_plain_tokens):
+    """A prefill step's draft runs its first pass eager and its decode-only steps on the compiled
+    drafter, their table padded to the width it was compiled for: greedy tokens equal plain and
+    nothing compiles while serving."""
+    spec = Engine(device="cuda", dtype="float32", max_model_len=256, compile=True, cuda_graphs=True,
+                  speculative={"method": "mtp", "num_speculative_tokens": 3}, **SPEC_KEYS)
+    compiles = spec.stats()["drafter_compiles"]
+    assert compiles > 0
+    assert [o.token_ids for o in spec.generate(SPEC_PROMPTS, SPEC_GREEDY)] == tiny_plain_tokens
+    stats = spec.stats()
+    assert stats["drafter_eager_steps"] > 0 and stats["drafter_compiles"] == compiles, stats
+    assert stats["recompiles"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"], stats
+
+
+def test_prefill_steps_draft_in_graphs(tiny_plain_tokens):
+    """Steps with prefill rows that run on a key draft in that key's draft graph: an EXTEND step of a
+    prompt, then MIXED steps where a prompt arrives beside verify rows (its own first draft and theirs
+    in one replay). Greedy tokens equal plain; no step drafts eager; KV pages all come back."""
+    spec = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=True,
+                  speculative={"method": "mtp", "num_speculative_tokens": 3}, max_num_seqs=4,
+                  graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(3,), graph_prefill_tokens=(16,),
+                  graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+    done = run_staggered(spec, SPEC_PROMPTS, SPEC_GREEDY, [0, 3, 5])
+    assert [done[f"r{i}"].token_ids for i in range(3)] == tiny_plain_tokens
+    stats = spec.stats()
+    assert stats["steps"]["EXTEND"] > 0 and stats["steps"]["MIXED"] > 0, stats
+    assert stats["drafter_eager_steps"] == 0 and stats["eager_steps"] == 0, stats
+    assert stats["drafter_graph_replays"] == sum(stats["steps"].values()), stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"], stats
