@@ -43,7 +43,8 @@ class HeadGraphs:
     def __init__(self, graphs: GraphRunner, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.graphs = graphs
         self.compute_logits = compute_logits
-        self.keys = tuple(key for key in graphs.keys if key.mode is ForwardMode.DECODE and graphs.output(key) is not None)
+        self.keys = tuple(key for key in graphs.keys
+                          if key.mode is ForwardMode.DECODE and graphs.output(key) is not None)
         device = graphs.buffers.input_ids.device
         self.tokens = torch.zeros(max((key.num_tokens for key in self.keys), default=0), dtype=torch.int64,
                                   device=device)

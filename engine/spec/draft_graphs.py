@@ -20,7 +20,7 @@ device-planned kernels: counted in its fallback steps per replay.
   its prompt), then the verify rows' verdict tokens; the drafting rows — prefill rows that complete
   their prompt, then the verify rows — sit in ``bs`` slots, each naming its first-pass token and its
   row (a verify row's token moved by its accepted count on the device). Slots past the drafting rows
-  read and write only the dummy page. ``run_prefill`` uploads these in one host-to-device copy. Its
+  draft from position 0 on the dummy page alone. ``run_prefill`` uploads these in one host-to-device copy. Its
   first pass is the drafter's eager module even when the drafter is compiled (the compiled drafter is
   specialized to decode-only steps); inside the graph that costs no host work.
 
@@ -47,8 +47,8 @@ from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm
 log = logging.getLogger(__name__)
 
 # draft(static step, first-pass input ids [T], target hidden [T, *], first-pass token of each drafting
-# slot [bs], page table of each slot [bs, P]) -> greedy drafts [bs, k]
-DraftFn = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# slot [bs], that token's position [bs], page table of each slot [bs, P]) -> greedy drafts [bs, k]
+DraftFn = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -85,14 +85,17 @@ class DraftGraphs:
     def _verify_draft(self, key: GraphKey, static: ForwardBatch) -> torch.Tensor:
         ids, hidden = self.input_ids[:key.num_tokens], self.graphs.output(key)
         src = torch.arange(key.bs, device=ids.device) * self.q_len + self.accepted[:key.bs]  # [bs]
-        return self.draft(static, ids, hidden, src, static.page_table)
+        return self.draft(static, ids, hidden, src, static.positions[src], static.page_table)
 
     def _prefill_draft(self, key: GraphKey, static: ForwardBatch) -> torch.Tensor:
         ids, base, rows, verify_row, accepted, count = self._prefill_views(key)
         moved = torch.where(verify_row >= 0, accepted[verify_row.clamp(min=0)], 0)  # [bs]
+        src = base + moved  # [bs]
         drafting = torch.arange(key.bs, device=ids.device) < count  # [bs]
+        # A spare slot drafts on the dummy page from position 0: its decode passes read one page.
+        positions = torch.where(drafting, static.positions[src], 0)  # [bs]
         table = torch.where(drafting[:, None], static.page_table[rows], DUMMY_PAGE)  # [bs, P]
-        return self.draft(static, ids, self.graphs.output(key), base + moved, table)
+        return self.draft(static, ids, self.graphs.output(key), src, positions, table)
 
     def _prefill_views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         T, bs = key.num_tokens, key.bs

@@ -248,8 +248,8 @@ class Speculator:
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
         if greedy:
-            return drafting, self._draft(batch, ids, hidden, src, page_table, _greedy_pick, self.model_drafter.forward,
-                                         steps)
+            return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table, _greedy_pick,
+                                         self.model_drafter.forward, steps)
         prompt_lens = torch.tensor([len(r.prompt_token_ids) for r in drafting], dtype=torch.long, device=device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
@@ -263,7 +263,8 @@ class Speculator:
             return torch.where(t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters,
                                                                                        DRAFT_SALT))
 
-        drafts = self._draft(batch, ids, hidden, src, page_table, pick, self.model_drafter.forward, steps)
+        drafts = self._draft(batch, ids, hidden, src, batch.positions[src], page_table, pick,
+                             self.model_drafter.forward, steps)
         q_all = torch.stack(qs, dim=1)  # [D, k, V]
         for i, req in enumerate(drafting):
             if not req.params.greedy and req.params.speculative is not False:  # a cap of 0 never reads q
@@ -271,13 +272,14 @@ class Speculator:
         return drafting, drafts
 
     def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
-                     page_table: torch.Tensor) -> torch.Tensor:
+                     positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """The greedy draft of a key's static step, as its draft graph captures it (draft_graphs.py).
         The backend's plan for the step is already in place (made before the target's replay). The
         compiled drafter takes decode-only passes: a first pass over prefill rows runs the eager module."""
         steps = self.compiled_drafter or self.model_drafter.forward
         first = steps if static.mode is ForwardMode.DECODE else self.model_drafter.forward
-        return self._draft(static, ids, hidden, src, page_table, _greedy_pick, first, steps, plan_first=False)
+        return self._draft(static, ids, hidden, src, positions, page_table, _greedy_pick, first, steps,
+                           plan_first=False)
 
     def _draft_steps(self, page_table: torch.Tensor) -> tuple[Callable, torch.Tensor]:
         """How an eager draft runs its decode-only steps 2..k, and the table [D, P'] they read: on the
@@ -290,14 +292,15 @@ class Speculator:
         return compiled, torch.nn.functional.pad(page_table, (0, width - page_table.shape[1]), value=DUMMY_PAGE)
 
     def _draft(self, batch: ForwardBatch, ids: torch.Tensor, target_hidden: torch.Tensor, src: torch.Tensor,
-               page_table: torch.Tensor, pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               first: Callable, steps: Callable, plan_first: bool = True) -> torch.Tensor:
-        """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``
-        (pages ``page_table`` [D, P]); ``pick(logits [D, V], positions [D])`` chooses each draft.
+               positions: torch.Tensor, page_table: torch.Tensor,
+               pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], first: Callable, steps: Callable,
+               plan_first: bool = True) -> torch.Tensor:
+        """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``,
+        at ``positions`` [D] (pages ``page_table`` [D, P]); ``pick(logits [D, V], positions [D])``
+        chooses each draft.
         ``first`` runs the first drafter pass, ``steps`` each decode-only step after it."""
         drafter = self.model_drafter
         h = self._drafter_pass(first, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
-        positions = batch.positions[src]  # [D]
         drafts: list[torch.Tensor] = []
         for s in range(self.k):
             if s:
