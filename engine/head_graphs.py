@@ -78,7 +78,7 @@ class HeadGraphs:
 
     def run(self, key: GraphKey | None) -> bool:
         """Replays ``key``'s head (right after its target graph replayed); False if it has none."""
-        graph = self._graphs.get(key) if key is not None else None
+        graph = self._graphs.get(key)
         if graph is None:
             return False
         graph.replay()

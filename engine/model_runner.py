@@ -127,9 +127,10 @@ class ModelRunner:
         return GraphRunner(self.model, self.backend, self.context, keys, buffers, compiled, config.use_cuda_graphs)
 
     def prepare_graphs(self, on_key=None, rewrite_manifest: bool = False) -> list[KeyReport]:
-        """Compiles (and captures) every graph key with compile artifacts in the graph cache. The
-        manifest is written when the cache was empty (or stale, hence rebuilt), or when asked (warm-up);
-        a sound one is left as the record of the warm-up that built it. No-op without graphs."""
+        """Compiles (and captures) every graph key with compile artifacts in the graph cache, then
+        (CUDA graphs) each DECODE key's greedy head graph (head_graphs.py). The manifest is written
+        when the cache was empty (or stale, hence rebuilt), or when asked (warm-up); a sound one is
+        left as the record of the warm-up that built it. No-op without graphs."""
         if self.graphs is None:
             return []
         found = self.graph_cache.read_manifest()  # a stale or corrupt cache is deleted here
@@ -251,9 +252,15 @@ class ModelRunner:
         logits."""
         decode = batch.mode is ForwardMode.DECODE  # every token is a logits row
         hidden = self.forward(batch, None if decode else batch.gather_ids)
-        if decode and self.heads is not None and self.heads.run(self.graphs.last_replayed):
+        if self.replay_head(batch):
             return self.heads.tokens[:batch.num_tokens]
         return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def replay_head(self, batch: ForwardBatch) -> bool:
+        """Right after ``forward(batch)``: replays the greedy head graph of the DECODE key the step
+        replayed; False where there is none (no graphs, another mode, or the step ran unreplayed)."""
+        return (batch.mode is ForwardMode.DECODE and self.heads is not None
+                and self.heads.run(self.graphs.last_replayed))
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, sampling: SamplingTensors,

@@ -132,7 +132,7 @@ class DraftGraphs:
         """Greedy drafts [rows, k] of a verify step that just replayed the target's graph on ``key``,
         given its verdict (tokens [rows, 1 + k], accepted counts [rows]) or None where the key's head
         graph has just written it to the buffers; None if ``key`` has no draft graph."""
-        captured = self._graphs.get(key) if key is not None and key.mode is ForwardMode.DECODE else None
+        captured = self._graphs.get(key)
         if captured is None:
             return None
         if verdict is not None:
@@ -150,7 +150,7 @@ class DraftGraphs:
         prefill row that completes its prompt, whose token is fed that row's sampled token
         (``plain_tokens`` [c]); ``verdict``: the verify rows' (tokens [R, 1 + k], accepted [R]).
         The D = c + R drafting rows are the completing rows, then the verify rows."""
-        captured = self._graphs.get(key) if key is not None and key.num_extends else None
+        captured = self._graphs.get(key)
         if captured is None:
             return None
         T, bs, P = key.num_tokens, key.bs, key.num_extend_tokens

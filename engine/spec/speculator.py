@@ -19,9 +19,10 @@ A model drafter writes KV up to k - 1 positions past the step's tokens: the sche
 
 A step whose rows are all greedy (and penalty-free) needs no distributions: its tokens are the
 target's argmax and verification compares drafts with them (``verify_greedy``), and its drafts are
-the drafter's argmax — for a DECODE step that replayed the target's graph, one replay of the
-drafter's graph for that key (draft_graphs.py). Everything the host needs from a step comes back in
-one device-to-host copy.
+the drafter's argmax. A DECODE step that replayed the target's graph and has no penalties, logprobs,
+grammar or opted-out rows verifies in that key's greedy head graph (engine/head_graphs.py); any step
+that replayed a key drafts in one replay of the drafter's graph for it (draft_graphs.py). Everything
+the host needs from a step comes back in one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -176,9 +177,7 @@ class Speculator:
         """Replays the greedy head graph of the DECODE key the step just replayed, where its rows are
         plain greedy and none opted out (no caps): the verdict is then in the head's buffers, where the
         draft graph reads it (engine/head_graphs.py). False where it did not run."""
-        runner = self.runner
-        return (caps is None and batch.mode is ForwardMode.DECODE and runner.heads is not None
-                and plain_greedy(sampled) and runner.heads.run(runner.graphs.last_replayed))
+        return caps is None and plain_greedy(sampled) and self.runner.replay_head(batch)
 
     def _target_tensors(self, sampled: list[Request], n_plain: int, decodes: list[Request],
                         device: torch.device) -> SamplingTensors:
