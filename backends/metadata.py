@@ -64,6 +64,9 @@ class ForwardBatch(StepShape):
     ``qo_indptr`` (``[bs + 1]`` token offsets), ``page_table`` (``[bs, max_pages]``, unused entries 0).
     ``gather_ids`` selects the logits rows: the last token of each prefill row that completes its
     prompt, then every token of every decode row.
+    The ``*_cpu`` lists are the host values the step was built from: a graph key's padded step is
+    written from them in one host-to-device copy per dtype (graphs/padding.py). A batch built on the
+    device (a draft step) has none of the per-token ones and cannot be padded to a key.
     """
 
     num_extends: int
@@ -81,3 +84,7 @@ class ForwardBatch(StepShape):
     gather_ids: torch.Tensor  # [N] int64
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
+    input_ids_cpu: list[int] | None = None
+    positions_cpu: list[int] | None = None
+    slot_mapping_cpu: list[int] | None = None
+    qo_indptr_cpu: list[int] | None = None

@@ -18,10 +18,18 @@ class TritonAttentionBackend(AttentionBackend):
     cache into a [T, H, R] latent output, then ·W_vc into ``out``. Any uniform q_len_per_req. The
     kernel's launch settings and KV splits are functions of static sizes only (rows, q_len, the page
     table's width, the dtype), so a captured graph stays valid for any ``seq_lens``.
-    Prefill rows: like the torch reference, each row's whole page-table span is read back from the
-    latent cache and decompressed through W_kc / W_vc, so row b's keys sit at b·S .. b·S + S (S: the
-    table's width in tokens, key j at position j) and kv_indptr is a device-side arange; the ragged
-    causal kernel sees keys up to each query's position, which never reaches past the row's length.
+    Prefill rows take one of two paths, chosen by whether the step's shapes are static (as in the
+    flashinfer backend):
+    - an eager step: like the torch reference, each row's whole page-table span (the step's own width)
+      is read back from the latent cache and decompressed through W_kc / W_vc, so row b's keys sit at
+      b·S .. b·S + S (S: the table's width in tokens, key j at position j) and kv_indptr is a
+      device-side arange; the ragged causal kernel sees keys up to each query's position, which never
+      reaches past the row's length. MHA is the cheaper formulation for long new prompts.
+    - a static step (a graph key's buffers, whose table is as wide as the longest row the engine
+      allows): every prefill token is a decode row of its own with q_len 1, its row's pages and a
+      length of its position + 1, through the absorbed decode kernel above. Each token reads its own
+      row's keys up to its position (the kernel's loop ends at the length), where decompressing every
+      padded row's whole span would read and expand ``num_extends`` × the longest row allowed.
     """
 
     name = "triton"
@@ -37,11 +45,27 @@ class TritonAttentionBackend(AttentionBackend):
         return warm_up_decode(self.kv_caches[0], DUMMY_PAGE, self.dims.num_heads, q_len, self.dims.qk_rope_head_dim,
                               self.dims.softmax_scale)
 
+    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
+        super().__init__(kv_caches, dims)
+        self._static = False  # the planned step's prefill path (class docstring)
+
+    def plan(self, batch: ForwardBatch, static: bool = False) -> None:
+        self._static = static
+
     def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                 cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
         rows = batch.num_extends
         if rows == 0:
             out.zero_()
+            return
+        if self._static:
+            tokens = q_nope.shape[0]  # the bucket: bucket padding past qo_indptr[rows] included
+            # Each token's row; bucket padding (owned by none) reads the last row's first key: finite,
+            # and its output is dropped.
+            row = torch.searchsorted(batch.qo_indptr[1:rows + 1], torch.arange(tokens, device=q_nope.device),
+                                     right=True).clamp_(max=rows - 1)
+            seq_lens = (batch.positions[:tokens] + 1).to(torch.int32)  # keys 0..the token's position
+            self._absorbed(q_nope, q_pe, w_kc, w_vc, cache, out, batch.page_table[row], seq_lens, 1)
             return
         kv = cache[batch.page_table[:rows]].flatten(0, 2).to(q_nope.dtype)  # [E * S, R + dr]
         span = kv.shape[0] // rows
@@ -54,12 +78,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
-        q_len = batch.q_len_per_req
-        pages = batch.page_table[batch.num_extends:]  # [B, P]
+        self._absorbed(q_nope, q_pe, w_kc, w_vc, cache, out, batch.page_table[batch.num_extends:],
+                       batch.seq_lens[batch.num_extends:], batch.q_len_per_req)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                  cache: torch.Tensor, out: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor,
+                  q_len: int) -> None:
+        """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
         dtype = q_nope.dtype
         # Head-major latents: the batched GEMMs read and write [H, T, ·] directly, and the kernel takes
         # the [T, H, R] views by their strides, so no transposing copy is made on either side.
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc.to(dtype)).transpose(0, 1)  # [T, H, R]
         o_lat = torch.empty_like(q_lat)  # [T, H, R], head-major like q_lat
-        mla_decode(q_lat, q_pe, cache, pages, batch.seq_lens[batch.num_extends:], q_len, self.dims.softmax_scale, o_lat)
+        mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, o_lat)
         torch.bmm(o_lat.transpose(0, 1), w_vc.to(dtype).transpose(1, 2), out=out.transpose(0, 1))  # [T, H, dv]

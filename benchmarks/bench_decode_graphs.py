@@ -37,6 +37,7 @@ from encore.backends.base import AttentionBackend  # noqa: E402
 from encore.backends.metadata import ForwardBatch  # noqa: E402
 from encore.engine.config import EngineConfig  # noqa: E402
 from encore.engine.model_runner import ModelRunner  # noqa: E402
+from encore.engine.step import pack_batch  # noqa: E402
 from encore.models.config import ModelConfig, RopeConfig  # noqa: E402
 from encore.models.deepseek import DeepseekForCausalLM  # noqa: E402
 
@@ -104,19 +105,13 @@ def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, pa
     """Every row at ``context`` cached tokens, feeding ``q_len`` new ones; row b owns ``max_pages``
     pages (default: just enough) from 1 + b·max_pages on."""
     max_pages = max_pages or math.ceil((context + q_len) / page_size)
-    table = 1 + torch.arange(bs * max_pages, dtype=torch.int32, device=device).view(bs, max_pages)
-    positions = (context + torch.arange(q_len, device=device)).repeat(bs)  # [bs * q_len]
-    rows = torch.arange(bs, device=device).repeat_interleave(q_len)
-    slots = table[rows, positions // page_size].long() * page_size + positions % page_size
+    tables = [list(range(1 + b * max_pages, 1 + (b + 1) * max_pages)) for b in range(bs)]
+    positions = list(range(context, context + q_len)) * bs
+    slots = [t[p // page_size] * page_size + p % page_size for t in tables for p in range(context, context + q_len)]
     tokens = bs * q_len
-    return ForwardBatch(
-        num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=page_size,
-        input_ids=(torch.arange(tokens, device=device) * 7919) % V2_LITE.vocab_size, positions=positions, slot_mapping=slots,
-        seq_lens=torch.full((bs,), context + q_len, dtype=torch.int32, device=device),
-        prefix_lens=torch.full((bs,), context, dtype=torch.int32, device=device),
-        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=device) * q_len, page_table=table,
-        gather_ids=torch.arange(tokens, device=device), seq_lens_cpu=[context + q_len] * bs,
-        prefix_lens_cpu=[context] * bs)
+    return pack_batch(0, q_len, page_size, [(t * 7919) % V2_LITE.vocab_size for t in range(tokens)], positions,
+                      slots, [context + q_len] * bs, [context] * bs, list(range(0, tokens + 1, q_len)), tables,
+                      list(range(tokens)), device)
 
 
 def time_ms(step, iters: int) -> float:

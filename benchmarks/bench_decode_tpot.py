@@ -31,6 +31,7 @@ from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_m
 from encore.backends.metadata import ForwardBatch
 from encore.engine.config import EngineConfig
 from encore.engine.model_runner import ModelRunner
+from encore.engine.step import pack_batch
 from encore.models.config import ModelConfig
 from encore.models.deepseek import DeepseekForCausalLM
 
@@ -117,17 +118,11 @@ def make_runner(cfg: ModelConfig, backend: str, batch_sizes: list[int], context:
 
 def prompt_batch(ids: torch.Tensor) -> ForwardBatch:
     """One prefill row of ``ids`` from position 0 on pages 1.."""
-    n, device = ids.numel(), ids.device
-    pages = math.ceil(n / PAGE_SIZE)
-    table = 1 + torch.arange(pages, dtype=torch.int32, device=device)[None]
-    positions = torch.arange(n, device=device)
-    return ForwardBatch(
-        num_extends=1, q_len_per_req=1, bs=1, num_tokens=n, page_size=PAGE_SIZE, input_ids=ids,
-        positions=positions, slot_mapping=table[0, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE,
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        prefix_lens=torch.zeros(1, dtype=torch.int32, device=device),
-        qo_indptr=torch.tensor([0, n], dtype=torch.int32, device=device), page_table=table,
-        gather_ids=torch.tensor([n - 1], device=device), seq_lens_cpu=[n], prefix_lens_cpu=[0])
+    n = ids.numel()
+    table = list(range(1, 1 + math.ceil(n / PAGE_SIZE)))
+    slots = [table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(n)]
+    return pack_batch(1, 1, PAGE_SIZE, ids.tolist(), list(range(n)), slots, [n], [0], [0, n], [table], [n - 1],
+                      ids.device)
 
 
 @torch.inference_mode()

@@ -8,10 +8,12 @@ B. encore-tiny end to end (``--dtype``, float32 by default; CUDA graphs, greedy,
    k = 1..4. The replay drafter needs float32: it replays the plain run's tokens, and in bf16 a verify
    step's numerics differ from a decode step's, so the target soon leaves the replayed continuation and
    acceptance collapses. Real MTP needs no such thing: ``--methods mtp --dtype bfloat16`` measures it
-   in the checkpoint's own dtype.
+   in the checkpoint's own dtype. A batch size's engines are all built first and then timed in rounds,
+   one generate call each in turn; a speedup is the median of its rounds' ratios to the plain call of
+   the same round.
 
     python benchmarks/bench_spec.py [--skip-v2-lite] [--methods mtp,replay] [--compile] [--dtype float32]
-        [--json out.json]
+        [--repeats 15] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench_decode_graphs import PAGE_SIZE, V2_LITE, build_random, decode_batch, 
 from encore.engine import Engine, SamplingParams
 from encore.engine.config import EngineConfig
 from encore.engine.model_runner import ModelRunner
+from encore.server.engine_worker import freeze_start_up_heap
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):\n",
            "for i in range(10):\n"]
@@ -55,48 +58,72 @@ def verify_vs_decode(context: int, iters: int) -> list[dict]:
     return rows
 
 
-def tokens_per_s(bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str, repeats: int
-                 ) -> tuple[float, dict, dict[str, list[int]]]:
-    """Median tokens/s of ``repeats`` timed generate calls, after one untimed call of the same
-    requests (a graph's first replay pays its upload; eager prefill kernels JIT-compile per shape)."""
-    engine = Engine(device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True, max_model_len=512,
-                    speculative=speculative, **KEYS)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
-    tokens = {o.request_id: o.token_ids for o in engine.generate(prompts, params)}
-    rates = []
-    for _ in range(repeats):
+class Timed:
+    """One engine and its requests, timed generate call by generate call. Every engine of a batch size
+    is built and warmed up first, then the timed calls go round the engines in turn, so each round
+    compares them under the same host conditions (this host-bound model's tokens/s moves by up to
+    30 % between minutes of one machine)."""
+
+    def __init__(self, bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str) -> None:
+        # A fixed pool (a request's 512 tokens for each row, and the dummy page): the default sizes
+        # the pool from the memory left free, which the engines built first would take.
+        self.engine = Engine(device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True, max_model_len=512,
+                             num_kv_pages=1 + bs * 512 // 16, speculative=speculative, **KEYS)
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
+        self.tokens_per_call = bs * max_tokens
+        self.rates: list[float] = []
+        # One untimed call: a graph's first replay pays its upload; eager prefill kernels JIT-compile per shape.
+        self.tokens = {o.request_id: o.token_ids for o in self.engine.generate(self.prompts, self.params)}
+
+    def time_call(self) -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        rates.append(bs * max_tokens / (time.perf_counter() - start))
-        tokens.update((o.request_id, o.token_ids) for o in outs)
-    return statistics.median(rates), engine.stats(), tokens
+        outs = self.engine.generate(self.prompts, self.params)
+        self.rates.append(self.tokens_per_call / (time.perf_counter() - start))
+        self.tokens.update((o.request_id, o.token_ids) for o in outs)
 
 
 def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, repeats: int) -> list[dict]:
+    """Per batch size: the plain engine (the peer) and one engine per drafter and k, timed in ``repeats``
+    rounds of one generate call each; a row's tokens/s is its median over the rounds and its speedup
+    the median of its per-round ratios to the plain engine's call of the same round."""
     rows = []
     for bs in (1, 16):
         # Every engine here runs the same generate calls, so a request id names the same row in each,
         # and the replaying drafter replays the plain run's tokens under it.
-        plain, _, truth = tokens_per_s(bs, None, max_tokens + 8, compile_, dtype, repeats)
-        rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(plain, 1), "speedup": 1.0,
-                     "acceptance": None})
+        plain = Timed(bs, None, max_tokens + 8, compile_, dtype)
         configs = ([("mtp", None)] if "mtp" in methods else []) + (
             [("replay", e) for e in (0.5, 0.3, 0.1)] if "replay" in methods else [])
+        specs = []
         for method, error in configs:
             for k in (1, 2, 3, 4):
                 spec = {"method": method, "num_speculative_tokens": k}
                 if method == "replay":
-                    spec.update(continuations=truth, error_rate=error)
-                tps, stats, _ = tokens_per_s(bs, spec, max_tokens, compile_, dtype, repeats)
+                    spec.update(continuations=plain.tokens, error_rate=error)
                 label = "mtp" if method == "mtp" else f"replay err {error}"
-                rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(tps, 1),
-                             "speedup": round(tps / plain, 2), "acceptance": round(stats["spec_acceptance_rate"], 3),
-                             "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2),
-                             "drafter_graph_replays": stats["drafter_graph_replays"],
-                             "drafter_eager_steps": stats["drafter_eager_steps"],
-                             "drafter_compiles": stats["drafter_compiles"]})
+                specs.append((label, k, Timed(bs, spec, max_tokens, compile_, dtype)))
+        freeze_start_up_heap()  # as the server's engine process does: no timed call walks the engines' build garbage
+        for _ in range(repeats):
+            plain.time_call()
+            for _, _, timed in specs:
+                timed.time_call()
+        rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(statistics.median(plain.rates), 1),
+                     "speedup": 1.0, "acceptance": None, "tok_s_per_round": [round(r) for r in plain.rates]})
+        for label, k, timed in specs:
+            stats = timed.engine.stats()
+            ratios = [r / p for r, p in zip(timed.rates, plain.rates)]
+            rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(statistics.median(timed.rates), 1),
+                         "speedup": round(statistics.median(ratios), 2),
+                         "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                         "tok_s_per_round": [round(r) for r in timed.rates],
+                         "acceptance": round(stats["spec_acceptance_rate"], 3),
+                         "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2),
+                         "drafter_graph_replays": stats["drafter_graph_replays"],
+                         "drafter_eager_steps": stats["drafter_eager_steps"],
+                         "drafter_compiles": stats["drafter_compiles"]})
+        del plain, specs
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -110,7 +137,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="part B with compiled graphs (target and drafter)")
     ap.add_argument("--dtype", default="float32", help="part B's dtype; the replay drafter needs float32 "
                     "(module docstring), real MTP runs in the checkpoint's bfloat16 too")
-    ap.add_argument("--repeats", type=int, default=5, help="timed generate calls per row of part B (median)")
+    ap.add_argument("--repeats", type=int, default=15, help="rounds of timed generate calls in part B (median)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}")
@@ -123,9 +150,10 @@ def main() -> None:
     b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype, args.repeats)
     print(f"B. encore-tiny end to end, {args.dtype}, greedy, CUDA graphs, compile={args.compile} "
           "(replay acceptance is synthetic)")
-    print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8}")
+    print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'range':>12} {'accept':>7} {'mean len':>8}")
     for r in b:
-        print(f"{r['bs']:>3} {r['drafter']:>16} {r['k']:>2} {r['tok_s']:>9} {r['speedup']:>8} "
+        spread = "-".join(map(str, r["speedup_range"])) if "speedup_range" in r else ""
+        print(f"{r['bs']:>3} {r['drafter']:>16} {r['k']:>2} {r['tok_s']:>9} {r['speedup']:>8} {spread:>12} "
               f"{str(r['acceptance']):>7} {str(r.get('mean_accepted_len', '')):>8}")
     if args.json:
         with open(args.json, "w") as f:

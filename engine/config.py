@@ -44,8 +44,9 @@ class EngineConfig:
     on the compiled graph without replay at little cost.
     EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
     An empty size tuple makes no keys of that kind.
-    Decode rows are capped at what ``max_num_seqs`` leaves (the largest bucket then holds every
-    step); keys with more tokens than ``max_num_batched_tokens`` are dropped.
+    Decode rows are capped at what ``max_num_seqs`` allows a step of the key's mode (the largest bucket
+    then holds every step, a MIXED key's padded prefill rows taking it past ``max_num_seqs`` rows:
+    graphs/keys.build_keys); keys with more tokens than ``max_num_batched_tokens`` are dropped.
     ``detokenize``: False leaves text and stop strings to the caller (the server process does them).
     ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
     ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist

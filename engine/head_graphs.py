@@ -45,7 +45,7 @@ class HeadGraphs:
         self.compute_logits = compute_logits
         self.keys = tuple(key for key in graphs.keys
                           if key.mode is ForwardMode.DECODE and graphs.output(key) is not None)
-        device = graphs.buffers.input_ids.device
+        device = graphs.buffers.device
         self.tokens = torch.zeros(max((key.num_tokens for key in self.keys), default=0), dtype=torch.int64,
                                   device=device)
         self.accepted = torch.zeros(max((key.bs for key in self.keys), default=0), dtype=torch.int64, device=device)

@@ -87,6 +87,10 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
         gather_ids=longs[3 * tokens:],
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=prefix_lens,
+        input_ids_cpu=input_ids,
+        positions_cpu=positions,
+        slot_mapping_cpu=slots,
+        qo_indptr_cpu=qo_indptr,
     )
 
 

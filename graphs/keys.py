@@ -61,18 +61,21 @@ def build_keys(decode_sizes: Iterable[int], q_lens: Iterable[int], mixed_extends
     DECODE: ``d`` rows of ``q`` tokens for d in decode_sizes, q in q_lens.
     MIXED: ``e`` prefill rows with a ``p``-token bucket plus ``d`` decode rows of ``q`` tokens.
     EXTEND: ``e`` prefill rows with a ``p``-token bucket.
-    No step has more than ``max_rows`` rows: a key's decode rows are capped at what is left of them
-    (so the largest bucket still holds every step of its kind), and a key whose prefill rows alone
-    exceed it is dropped, as is one over ``max_tokens`` tokens.
+    No step has more than ``max_rows`` rows, so a DECODE key's rows are capped at ``max_rows`` and a
+    MIXED key's decode rows at ``max_rows - 1``, the most a step with a prefill row can have: the
+    largest MIXED bucket of ``e`` prefill rows holds every MIXED step of at most ``e`` prefill rows
+    whose tokens fit, its padded rows taking it past ``max_rows`` where the step has fewer prefill rows
+    (a step of 4 prefill rows and 60 decode rows under a 64-row budget runs on (16, 63)). A key whose
+    prefill rows alone reach the budget is dropped, as is one over ``max_tokens`` tokens.
     """
     keys = set()
     q_lens = tuple(q_lens)
     for q in q_lens:
         keys.update(GraphKey(0, q, min(d, max_rows), min(d, max_rows) * q) for d in decode_sizes)
-        for e in mixed_extends:
+        for e in (e for e in mixed_extends if e < max_rows):
             for d in mixed_decode_sizes:
-                d = min(d, max_rows - e)
-                keys.update(GraphKey(e, q, e + d, p + d * q) for p in prefill_tokens if p >= e and d >= 1)
+                d = min(d, max_rows - 1)
+                keys.update(GraphKey(e, q, e + d, p + d * q) for p in prefill_tokens if p >= e)
     keys.update(GraphKey(e, 1, e, p) for e in extend_sizes for p in prefill_tokens if p >= e and e <= max_rows)
     fitting = (k for k in keys if k.num_tokens <= max_tokens)
     return tuple(sorted(fitting, key=lambda k: (k.num_tokens, k.bs, k.num_extends, k.q_len_per_req), reverse=True))

@@ -28,97 +28,89 @@ from __future__ import annotations
 
 import torch
 
+from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.graphs.keys import GraphKey
 
 
 class StepBuffers:
-    """Device buffers for the largest key; ``fill`` writes a (padded) step into them."""
+    """Device buffers for the largest key; ``fill`` writes a (padded) step into them.
+
+    The per-token fields share one int64 buffer at fixed offsets (input ids at 0, positions at S, slots
+    at 2S, S: the largest key's tokens rounded up to 8) and a key's per-row fields are consecutive
+    slices of one int32 buffer (seq_lens [0, bs), prefix_lens [bs, 2bs), qo_indptr [2bs, 3bs + 1)), so
+    that a step arrives in one host-to-device copy per dtype, built on the host from the batch's lists;
+    the page table is its own [rows, pages] buffer, written on the device from the batch's table (as
+    wide as the step's longest row, where the key's may be wider). The ids and positions, a compiled
+    graph's inputs, sit at the same 64-byte-aligned offsets for every key: a guard on a view's storage
+    offset then holds for all of a family's keys.
+    """
 
     def __init__(self, max_tokens: int, max_rows: int, max_pages: int, page_size: int, device: torch.device,
                  full_page_table: bool) -> None:
         """``full_page_table``: hand out all ``max_pages`` columns (a captured graph's shapes are fixed);
         otherwise only as many as the step uses."""
+        self.device = device
         self.page_size = page_size
         self.max_pages = max_pages
         self.full_page_table = full_page_table
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.prefix_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.qo_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.stride = -(-max_tokens // 8) * 8
+        self.longs = torch.zeros(3 * self.stride, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(3 * max_rows + 1, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
-        # 0, 1, 2, ...: positions of a padded decode row's tokens, and row counts for qo_indptr.
-        self._pad_positions = torch.arange(max(max_tokens, max_rows + 1), device=device)
 
     def fill(self, key: GraphKey, batch: ForwardBatch | None) -> ForwardBatch:
         """Copies ``batch`` (None: an all-padding step, for warm-up and capture) into the buffers,
         padded to ``key``; returns the step as views of the buffers."""
-        q, E, T = key.q_len_per_req, key.num_extends, key.num_tokens
+        q, E, T, bs = key.q_len_per_req, key.num_extends, key.num_tokens, key.bs
         P = key.num_extend_tokens
-        e = batch.num_extends if batch is not None else 0
-        n = batch.num_extend_tokens if batch is not None else 0
-        D = batch.num_decodes if batch is not None else 0
         width = self.max_pages if self.full_page_table or batch is None else batch.page_table.shape[1]
         if width > self.max_pages:
             raise ValueError(f"step uses {width} pages per row; the graph buffers hold {self.max_pages}")
+        if batch is None:
+            e = n = D = 0
+            ids = positions = slots = seq = prefix = []
+            qo = [0]
+        else:
+            if batch.input_ids_cpu is None:
+                raise ValueError("a step built on the device (no host lists) cannot be padded to a graph key")
+            e, n, D = batch.num_extends, batch.num_extend_tokens, batch.num_decodes
+            ids, positions, slots = batch.input_ids_cpu, batch.positions_cpu, batch.slot_mapping_cpu
+            seq, prefix, qo = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.qo_indptr_cpu
         dec_end = P + D * q
-
-        ids, pos, slots = self.input_ids, self.positions, self.slot_mapping
-        if n:
-            ids[:n].copy_(batch.input_ids[:n])
-            pos[:n].copy_(batch.positions[:n])
-            slots[:n].copy_(batch.slot_mapping[:n])
-        if D:
-            ids[P:dec_end].copy_(batch.input_ids[n:])
-            pos[P:dec_end].copy_(batch.positions[n:])
-            slots[P:dec_end].copy_(batch.slot_mapping[n:])
-        if P > n:
-            ids[n:P].zero_()
-            pos[n:P].zero_()
-            slots[n:P].fill_(DUMMY_PAGE * self.page_size)
-        pad_decode_rows = key.bs - E - D  # their tokens: [dec_end, T)
-        if pad_decode_rows:
-            offsets = self._pad_positions[:q].repeat(pad_decode_rows)  # [pad_decode_rows * q]
-            ids[dec_end:T].zero_()
-            pos[dec_end:T].copy_(offsets)
-            slots[dec_end:T].copy_(offsets % self.page_size + DUMMY_PAGE * self.page_size)
-
-        # Rows. qo_indptr[0] is 0 from allocation and never written.
-        seq_lens, prefix_lens, indptr, table = self.seq_lens, self.prefix_lens, self.qo_indptr, self.page_table
-        table[:key.bs, :width].fill_(DUMMY_PAGE)
-        if e:
-            seq_lens[:e].copy_(batch.seq_lens[:e])
-            prefix_lens[:e].copy_(batch.prefix_lens[:e])
-            indptr[1:e + 1].copy_(batch.qo_indptr[1:e + 1])
-            table[:e, :batch.page_table.shape[1]].copy_(batch.page_table[:e])
-        if D:
-            seq_lens[E:E + D].copy_(batch.seq_lens[e:])
-            prefix_lens[E:E + D].copy_(batch.prefix_lens[e:])
-            # Real decode rows start after the prefill bucket.
-            torch.add(batch.qo_indptr[e + 1:], P - n, out=indptr[E + 1:E + D + 1])
-            table[E:E + D, :batch.page_table.shape[1]].copy_(batch.page_table[e:])
-        if E > e:
-            seq_lens[e:E].fill_(1)
-            prefix_lens[e:E].zero_()
-            indptr[e + 1:E + 1].copy_(n + self._pad_positions[1:E - e + 1])
-        if pad_decode_rows:
-            seq_lens[E + D:key.bs].fill_(q)
-            prefix_lens[E + D:key.bs].zero_()
-            indptr[E + D + 1:key.bs + 1].copy_(dec_end + q * self._pad_positions[1:pad_decode_rows + 1])
-
-        seq_cpu = batch.seq_lens_cpu if batch is not None else []
-        prefix_cpu = batch.prefix_lens_cpu if batch is not None else []
+        pad_rows = bs - E - D  # padded decode rows: their tokens are [dec_end, T)
+        pad_positions = list(range(q)) * pad_rows
+        dummy = DUMMY_PAGE * self.page_size
+        bucket = P - n  # the padded prefill rows' tokens, then padding owned by no row
+        gap = [0] * (self.stride - T)  # zeros up to the next field's offset
+        longs = (ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end) + gap
+                 + positions[:n] + [0] * bucket + positions[n:] + pad_positions + gap
+                 + slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
+        ints = (seq[:e] + [1] * (E - e) + seq[e:] + [q] * pad_rows
+                + prefix[:e] + [0] * (E - e) + prefix[e:] + [0] * pad_rows
+                + qo[:e + 1] + list(range(n + 1, n + E - e + 1))  # a padded prefill row: one token
+                + [offset + bucket for offset in qo[e + 1:]]  # real decode rows start after the bucket
+                + list(range(dec_end + q, T + 1, q)))
+        S = self.stride
+        self.longs[:2 * S + T].copy_(host_tensor(longs, torch.int64), non_blocking=True)
+        self.ints[:3 * bs + 1].copy_(host_tensor(ints, torch.int32), non_blocking=True)
+        table = self.page_table
+        table[:bs, :width].fill_(DUMMY_PAGE)
+        if batch is not None:
+            used = batch.page_table.shape[1]
+            if E == e:
+                table[:e + D, :used].copy_(batch.page_table)
+            else:
+                table[:e, :used].copy_(batch.page_table[:e])
+                table[E:E + D, :used].copy_(batch.page_table[e:])
         return ForwardBatch(
-            num_extends=E, q_len_per_req=q, bs=key.bs, num_tokens=T, page_size=self.page_size,
-            input_ids=ids[:T], positions=pos[:T], slot_mapping=slots[:T],
-            seq_lens=seq_lens[:key.bs], prefix_lens=prefix_lens[:key.bs], qo_indptr=indptr[:key.bs + 1],
-            page_table=table[:key.bs, :width],
-            gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else ids.new_zeros(0),
-            seq_lens_cpu=seq_cpu[:e] + [1] * (E - e) + seq_cpu[e:] + [q] * pad_decode_rows,
-            prefix_lens_cpu=prefix_cpu[:e] + [0] * (E - e) + prefix_cpu[e:] + [0] * pad_decode_rows,
+            num_extends=E, q_len_per_req=q, bs=bs, num_tokens=T, page_size=self.page_size,
+            input_ids=self.longs[:T], positions=self.longs[S:S + T], slot_mapping=self.longs[2 * S:2 * S + T],
+            seq_lens=self.ints[:bs], prefix_lens=self.ints[bs:2 * bs], qo_indptr=self.ints[2 * bs:3 * bs + 1],
+            page_table=table[:bs, :width],
+            gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else self.longs.new_zeros(0),
+            seq_lens_cpu=ints[:bs], prefix_lens_cpu=ints[bs:2 * bs],
         )
 
 

@@ -1,5 +1,6 @@
-"""The Triton attention backend against the torch reference (``forward``, cache write included), its
-selection by the engine, and its greedy tokens inside CUDA graphs.
+"""The Triton attention backend against the torch reference (``forward``, cache write included; prefill
+rows on both of its paths, eager and static), its selection by the engine, and its greedy tokens inside
+CUDA graphs.
 
 Without CUDA the float32 comparisons run in Triton's interpreter, as in ``test_triton_mla`` (whose
 docstring says why TRITON_INTERPRET must be set before triton is imported, and why a child process runs
@@ -27,10 +28,11 @@ in_process = pytest.mark.skipif(TOO_LATE, reason="triton was imported before the
                                 "test_cpu_tests_in_child_process runs these")
 @in_process
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this on CUDA")
+@pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_matches_torch_in_interpreter(layout, page_size):
-    check_against_torch(TritonAttentionBackend, *LAYOUTS[layout], page_size, torch.float32)
+def test_matches_torch_in_interpreter(layout, page_size, static):
+    check_against_torch(TritonAttentionBackend, *LAYOUTS[layout], page_size, torch.float32, static=static)
 
 
 @pytest.mark.skipif(not TOO_LATE, reason="the CPU tests ran in this process")
@@ -42,11 +44,12 @@ def test_cpu_tests_in_child_process():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_matches_torch_gpu(layout, page_size, dtype):
-    check_against_torch(TritonAttentionBackend, *LAYOUTS[layout], page_size, dtype)
+def test_matches_torch_gpu(layout, page_size, dtype, static):
+    check_against_torch(TritonAttentionBackend, *LAYOUTS[layout], page_size, dtype, static=static)
 
 
 # ---------------------------------------------------------------- the engine

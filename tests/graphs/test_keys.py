@@ -35,13 +35,26 @@ def test_buckets_make_decode_mixed_and_extend_keys_within_the_budget():
 
 
 def test_keys_cap_their_decode_rows_at_the_row_budget():
-    keys = build_keys(decode_sizes=(4, 64), q_lens=(1,), mixed_extends=(1, 16), mixed_decode_sizes=(4, 64),
+    keys = build_keys(decode_sizes=(4, 64), q_lens=(1,), mixed_extends=(1, 16, 48), mixed_decode_sizes=(4, 64),
                       prefill_tokens=(32,), extend_sizes=(16, 64), max_tokens=1000, max_rows=48)
     assert {k for k in keys if k.mode is ForwardMode.DECODE} == {GraphKey(0, 1, 4, 4), GraphKey(0, 1, 48, 48)}
+    # A MIXED step has at most 47 decode rows; 48 prefill rows leave a MIXED step none.
     assert {k for k in keys if k.mode is ForwardMode.MIXED} == {
-        GraphKey(1, 1, 5, 36), GraphKey(1, 1, 48, 32 + 47), GraphKey(16, 1, 20, 36), GraphKey(16, 1, 48, 32 + 32)}
+        GraphKey(1, 1, 5, 36), GraphKey(1, 1, 48, 32 + 47), GraphKey(16, 1, 20, 36), GraphKey(16, 1, 63, 32 + 47)}
     assert {k for k in keys if k.mode is ForwardMode.EXTEND} == {GraphKey(16, 1, 16, 32)}  # 64 rows: over budget
-    assert all(k.bs <= 48 for k in keys)
+
+
+def test_the_largest_mixed_bucket_holds_every_step_within_the_row_budget():
+    rows, extends = 64, 16
+    table = KeyTable(build_keys(decode_sizes=(64,), q_lens=(1, 3), mixed_extends=(1, extends),
+                                mixed_decode_sizes=(4, 16, 64), prefill_tokens=(128,), extend_sizes=(16,),
+                                max_tokens=1000, max_rows=rows))
+    for q in (1, 3):
+        for e in range(1, extends + 1):
+            for d in range(1, rows - e + 1):
+                key = table.find(Step(e, 100, d, q_len=q))
+                assert key is not None and key.mode is ForwardMode.MIXED, (e, d, q)
+    assert table.find(Step(2, 100, 60)) == GraphKey(16, 1, 16 + 63, 128 + 63)  # 14 padded rows past the budget
 
 
 def test_step_runs_on_the_smallest_key_of_its_mode_that_holds_it():

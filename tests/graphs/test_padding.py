@@ -3,6 +3,8 @@ touches anything but the dummy page."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,3 +103,11 @@ def test_all_padding_step_writes_only_the_dummy_page(history):
     for cache, old in zip(runner.kv_caches, before):
         assert torch.equal(cache[DUMMY_PAGE + 1:], old)
     assert all(torch.isfinite(c[DUMMY_PAGE]).all() for c in runner.kv_caches)
+
+
+def test_a_step_built_on_the_device_cannot_be_padded(history):
+    engine, batches = history
+    key = PADDED_KEYS["DECODE"]
+    batch = dataclasses.replace(batches["DECODE"], input_ids_cpu=None)
+    with pytest.raises(ValueError, match="built on the device"):
+        buffers_for(engine, key).fill(key, batch)
