@@ -26,6 +26,8 @@ padded query sees at least one finite key, so no NaN can reach the page. Padded 
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from encore.backends.host_tensors import host_tensor
@@ -57,6 +59,7 @@ class StepBuffers:
         self.full_page_table = full_page_table
         self.stride = -(-max_tokens // 8) * 8
         self.longs = torch.zeros(3 * self.stride, dtype=torch.int64, device=device)
+        self._zeros = array.array("q", bytes(8 * self.stride))
         self.ints = torch.zeros(3 * max_rows + 1, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
 
@@ -83,17 +86,19 @@ class StepBuffers:
         pad_positions = list(range(q)) * pad_rows
         dummy = DUMMY_PAGE * self.page_size
         bucket = P - n  # the padded prefill rows' tokens, then padding owned by no row
-        gap = [0] * (self.stride - T)  # zeros up to the next field's offset
-        longs = (ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end) + gap
-                 + positions[:n] + [0] * bucket + positions[n:] + pad_positions + gap
-                 + slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
+        S = self.stride
+        gap = self._zeros[:S - T]  # up to the next field's offset; an array, copied without conversion
+        longs = array.array("q", ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end))
+        longs += gap
+        longs.extend(positions[:n] + [0] * bucket + positions[n:] + pad_positions)
+        longs += gap
+        longs.extend(slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
         ints = (seq[:e] + [1] * (E - e) + seq[e:] + [q] * pad_rows
                 + prefix[:e] + [0] * (E - e) + prefix[e:] + [0] * pad_rows
                 + qo[:e + 1] + list(range(n + 1, n + E - e + 1))  # a padded prefill row: one token
                 + [offset + bucket for offset in qo[e + 1:]]  # real decode rows start after the bucket
                 + list(range(dec_end + q, T + 1, q)))
-        S = self.stride
-        self.longs[:2 * S + T].copy_(host_tensor(longs, torch.int64), non_blocking=True)
+        self.longs[:2 * S + T].copy_(torch.frombuffer(longs, dtype=torch.int64), non_blocking=True)
         self.ints[:3 * bs + 1].copy_(host_tensor(ints, torch.int32), non_blocking=True)
         table = self.page_table
         table[:bs, :width].fill_(DUMMY_PAGE)
