@@ -23,7 +23,7 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     row per token.
     """
     page_size = kv.page_size
-    rows: list[tuple[Request, int]] = step.extends + [(r, step.q_len_per_req) for r in step.decodes]
+    q = step.q_len_per_req
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -33,30 +33,42 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     tables: list[list[int]] = []
     gather_ids: list[int] = []
     sampled: list[Request] = []
-    for i, (req, n) in enumerate(rows):
+    for req, n in step.extends:
         start = req.num_computed
         end = start + n
         table = kv.table(req.request_id)
-        if i < len(step.extends):
-            input_ids.extend(req.token_ids[start:end])
-        else:
-            fed = req.token_ids[start:start + 1] + req.draft_token_ids[:n - 1]
-            if len(fed) != n:
-                raise ValueError(f"decode row {req.request_id!r} has {len(fed) - 1} draft tokens; "
-                                 f"q_len_per_req {n} needs {n - 1}")
-            input_ids.extend(fed)
-        positions.extend(range(start, end))
-        slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        slots += (table[p // page_size] * page_size + p % page_size for p in range(start, end))
         seq_lens.append(end)
         prefix_lens.append(start)
         qo_indptr.append(qo_indptr[-1] + n)
         tables.append(table)
-        if i >= len(step.extends):
-            gather_ids.extend(range(qo_indptr[-2], qo_indptr[-1]))
-            sampled.extend([req] * n)
-        elif end == len(req.token_ids):
+        if end == len(req.token_ids):
             gather_ids.append(qo_indptr[-1] - 1)
             sampled.append(req)
+    first = qo_indptr[-1]  # the decode rows' tokens follow the prefill rows', q each: all logits rows
+    for req in step.decodes:
+        start = req.num_computed
+        table = kv.table(req.request_id)
+        fed = req.token_ids[start:start + 1] + req.draft_token_ids[:q - 1] if q > 1 else req.token_ids[start:start + 1]
+        if len(fed) != q:
+            raise ValueError(f"decode row {req.request_id!r} has {len(fed) - 1} draft tokens; "
+                             f"q_len_per_req {q} needs {q - 1}")
+        input_ids += fed
+        if q == 1:
+            positions.append(start)
+            slots.append(table[start // page_size] * page_size + start % page_size)
+        else:
+            positions += range(start, start + q)
+            slots += (table[p // page_size] * page_size + p % page_size for p in range(start, start + q))
+        seq_lens.append(start + q)
+        prefix_lens.append(start)
+        tables.append(table)
+    num_decodes = len(step.decodes)
+    qo_indptr += range(first + q, first + q * num_decodes + 1, q)
+    gather_ids += range(first, first + q * num_decodes)
+    sampled += step.decodes if q == 1 else [req for req in step.decodes for _ in range(q)]
     return pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
                       prefix_lens, qo_indptr, tables, gather_ids, device), sampled
 
@@ -67,7 +79,10 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
     """The step layout from its host lists, in two host-to-device copies (one per dtype) split into
     views on the device; page-table rows are padded with 0 to the longest."""
     max_pages = max((len(t) for t in tables), default=0)
-    flat_table = [page for t in tables for page in t + [0] * (max_pages - len(t))]  # [bs * max_pages]
+    flat_table: list[int] = []  # [bs * max_pages]
+    for t in tables:
+        flat_table += t
+        flat_table += [0] * (max_pages - len(t))
     tokens, bs = len(input_ids), len(seq_lens)
     longs = host_tensor(input_ids + positions + slots + gather_ids, torch.int64).to(device, non_blocking=True)
     ints = host_tensor(seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32).to(device, non_blocking=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from encore.backends.metadata import ForwardMode
 from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.kv_cache import KVCacheManager
@@ -70,6 +72,15 @@ def test_spec_rows_reserve_one_plus_k_tokens():
     batch, sampled = build_forward_batch(step, sched.kv, "cpu")
     assert batch.input_ids.tolist() == [3, 21, 22, 23] and batch.positions.tolist() == [8, 9, 10, 11]
     assert sampled == [d] * 4 and batch.gather_ids.tolist() == [0, 1, 2, 3]
+
+
+def test_a_spec_row_short_of_drafts_is_refused_by_name():
+    sched = make()
+    d = decoding(sched, "d", 8)
+    d.draft_token_ids = [21, 22]
+    step = sched.schedule(q_len_per_req=4)
+    with pytest.raises(ValueError, match="decode row 'd' has 2 draft tokens; q_len_per_req 4 needs 3"):
+        build_forward_batch(step, sched.kv, "cpu")
 
 
 def test_non_mixed_mode_prefills_first_then_decodes():
