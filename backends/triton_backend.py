@@ -37,6 +37,10 @@ class TritonAttentionBackend(AttentionBackend):
     supports_nonuniform_decode = False
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
 
+    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
+        super().__init__(kv_caches, dims)
+        self._static = False  # the planned step's prefill path (class docstring)
+
     def warm_up_decode(self, q_len: int) -> int:
         # Launch settings follow the step's rows and table width (triton_mla.decode_launch): each is
         # launched here rather than found by trying step shapes.
@@ -44,10 +48,6 @@ class TritonAttentionBackend(AttentionBackend):
             return 0
         return warm_up_decode(self.kv_caches[0], DUMMY_PAGE, self.dims.num_heads, q_len, self.dims.qk_rope_head_dim,
                               self.dims.softmax_scale)
-
-    def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
-        super().__init__(kv_caches, dims)
-        self._static = False  # the planned step's prefill path (class docstring)
 
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         self._static = static

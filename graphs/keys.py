@@ -72,10 +72,9 @@ def build_keys(decode_sizes: Iterable[int], q_lens: Iterable[int], mixed_extends
     q_lens = tuple(q_lens)
     for q in q_lens:
         keys.update(GraphKey(0, q, min(d, max_rows), min(d, max_rows) * q) for d in decode_sizes)
-        for e in (e for e in mixed_extends if e < max_rows):
-            for d in mixed_decode_sizes:
-                d = min(d, max_rows - 1)
-                keys.update(GraphKey(e, q, e + d, p + d * q) for p in prefill_tokens if p >= e)
+        decodes = {min(d, max_rows - 1) for d in mixed_decode_sizes}
+        keys.update(GraphKey(e, q, e + d, p + d * q) for e in mixed_extends for d in decodes for p in prefill_tokens
+                    if e <= p and e < max_rows)
     keys.update(GraphKey(e, 1, e, p) for e in extend_sizes for p in prefill_tokens if p >= e and e <= max_rows)
     fitting = (k for k in keys if k.num_tokens <= max_tokens)
     return tuple(sorted(fitting, key=lambda k: (k.num_tokens, k.bs, k.num_extends, k.q_len_per_req), reverse=True))

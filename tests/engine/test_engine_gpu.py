@@ -55,7 +55,7 @@ def tiny_plain_tokens():
 @pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 4), ("ngram", 3)])
 def test_cuda_graph_speculative_greedy_matches_plain(method, k, tiny_plain_tokens):
     """Verify steps replay the target's graphs and verify in the keys' greedy head graphs; MTP's
-    greedy drafts of DECODE steps replay its draft graphs (prefill steps draft eager)."""
+    greedy drafts replay its draft graphs (a prefill step on no key drafts eager)."""
     spec = Engine(device="cuda", dtype="float32", max_model_len=256, compile=False, cuda_graphs=True,
                   speculative={"method": method, "num_speculative_tokens": k}, **SPEC_KEYS)
     assert [o.token_ids for o in spec.generate(SPEC_PROMPTS, SPEC_GREEDY)] == tiny_plain_tokens
