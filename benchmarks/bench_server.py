@@ -94,10 +94,10 @@ def step_counts(before: dict, after: dict) -> dict:
         "graph_replays", "compiled_steps", "eager_steps", "preemptions", "kernel_compiles")}}
 
 
-def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, processes: int
-                ) -> list[tuple[dict, list]]:
+def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, processes: int,
+                encore: bool = True) -> list[tuple[dict, list]]:
     """``trials`` runs of all requests as concurrent streams from ``processes`` client processes, each
-    (summary, tokens per request)."""
+    (summary, tokens per request); with the engine's step counts where the server is encore's."""
     from encore.server.client import Client
 
     context = multiprocessing.get_context("spawn")
@@ -114,7 +114,7 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
     runs = []
     with Client(target) as info_client:
         for _ in range(trials):
-            before = server_counts(info_client.server_info())
+            before = server_counts(info_client.server_info()) if encore else None
             barrier.wait()
             n = len(texts)
             sends, firsts, ends, tokens = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)]
@@ -123,9 +123,10 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
                 for j, i in enumerate(share):
                     sends[i], firsts[i], ends[i], tokens[i] = (column[j] for column in their)
             wall = max(ends) - min(sends)
-            after = server_counts(info_client.server_info())
-            runs.append(({**summarize(sends, firsts, ends, [len(t) for t in tokens], wall),
-                          "engine": step_counts(before, after)}, tokens))
+            summary = summarize(sends, firsts, ends, [len(t) for t in tokens], wall)
+            if encore:
+                summary["engine"] = step_counts(before, server_counts(info_client.server_info()))
+            runs.append((summary, tokens))
     for worker in workers:
         worker.join(30)
     return runs

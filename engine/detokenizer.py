@@ -47,6 +47,27 @@ class IncrementalDetokenizer:
                 return s
         return None
 
+    def add_many(self, token_ids: list[int]) -> None:
+        """The text of ``add`` called on each token in turn, without stop strings (it cannot return
+        one), in two decodes where the tokens end on a whole character; else token by token, since
+        the text then ends where the last whole character did."""
+        if self._decode is None or not token_ids:
+            return
+        if self.stop:
+            raise ValueError("add_many cannot tell which token completes a stop string; use add")
+        start = len(self.ids)
+        self.ids.extend(token_ids)
+        full = self._decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd"):
+            del self.ids[start:]
+            for token in token_ids:
+                self.add([token])
+            return
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
     def take_delta(self, finished: bool) -> str:
         """The text not yet streamed, minus the held-back tail unless the request is finished."""
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)

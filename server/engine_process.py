@@ -155,10 +155,8 @@ class EngineProcess:
                 if stream is None:
                     continue  # cancelled by its client, or stopped early by a stop string
                 stream.feed(delta)
-                if stream.finished:
+                if delta.finish_reason is not None:
                     self._forget(stream)
-                    if delta.finish_reason is None:
-                        self.abort(stream)  # a stop string ended it before the engine did
         elif isinstance(message, Rejected):
             self._fail(message.request_id, grpc.StatusCode.INVALID_ARGUMENT, message.message)
         elif isinstance(message, StepFailed):

@@ -28,10 +28,11 @@ from encore.server.config import ServerConfig
 from encore.server.engine_process import EngineProcess
 from encore.server.metrics import ServerMetrics
 from encore.server.request_parser import RequestError, RequestParser, check_request_id
-from encore.server.request_stream import RequestStream, StreamError
+from encore.server.request_stream import RequestStream, SendPacer, StreamError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 VERSION = importlib.metadata.version("encore")
+SENDS_PER_ROUND = 4  # messages built and sent per round of the event loop (request_stream.SendPacer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class GenerationServicer:
         self.port = config.port  # the bound one, once listening
         self.started_at = time.monotonic()
         self._parser: RequestParser | None = None
+        self._pacer = SendPacer(SENDS_PER_ROUND)
 
     @property
     def max_in_flight(self) -> int:
@@ -76,11 +78,17 @@ class GenerationServicer:
                                f"{self.max_in_flight} (max_num_seqs + max_queued_requests); retry later")
         info = self.engine.info
         stream = RequestStream(request_id, parsed.prompt_token_ids, parsed.params.stop, self.tokenizer,
-                               frozenset(info.eos_token_ids), arrival=time.monotonic())
+                               frozenset(info.eos_token_ids), arrival=time.monotonic(), pacer=self._pacer)
         # The engine process has no tokenizer: the stop strings are matched here (see request_stream).
         self.engine.submit(stream, parsed.prompt_token_ids, _without_stop_strings(parsed.params))
         try:
-            while (response := await stream.next_response()) is not None:
+            while True:
+                await stream.next_turn()
+                response = stream.take_response()
+                if response is None:
+                    break
+                if stream.stopped_early:  # free the request id before the client sees the end
+                    self.engine.cancel(stream)
                 yield response
         except StreamError as exc:
             await context.abort(exc.code, exc.message)

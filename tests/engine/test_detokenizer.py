@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -89,3 +91,26 @@ def test_streamed_text_follows_the_tokenizers_clean_up_setting(tokenizer, clean_
     monkeypatch.setattr(tokenizer, "decode", lambda *a, **kw: calls.append(a) or decode(*a, **kw))
     assert stream(tokenizer, ids)[0] == want == text
     assert bool(calls) is clean_up  # the tokenizer's own decode only where it may differ from the backend's
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_add_many_gives_the_text_of_adding_token_by_token(tokenizer, seed):
+    """Multi-byte characters split over tokens, and random ids (byte junk, split characters that
+    never complete), added in random chunks: the text is the one-token-at-a-time text at each chunk's end."""
+    rng = random.Random(seed)
+    ids = tokenizer.encode("Ünïcödé — 日本語 text, emoji 🙂. def fibonacci(n):") + [
+        rng.randrange(tokenizer.vocab_size) for _ in range(80)]
+    one, many = IncrementalDetokenizer(tokenizer, [5, 6], ()), IncrementalDetokenizer(tokenizer, [5, 6], ())
+    start = 0
+    while start < len(ids):
+        end = min(len(ids), start + rng.randint(1, 6))
+        for t in ids[start:end]:
+            one.add([t])
+        many.add_many(ids[start:end])
+        assert many.text == one.text
+        start = end
+
+
+def test_add_many_refuses_stop_strings(tokenizer):
+    with pytest.raises(ValueError, match="stop string"):
+        IncrementalDetokenizer(tokenizer, [], ("x",)).add_many([5])

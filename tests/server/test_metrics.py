@@ -10,7 +10,7 @@ import pytest
 
 from encore.server.messages import Delta, EngineStats
 from encore.server.metrics import Histogram, ServerMetrics
-from encore.server.request_stream import RequestStream
+from encore.server.request_stream import RequestStream, SendPacer
 
 SAMPLE = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
 
@@ -40,12 +40,14 @@ def test_histogram_buckets_are_cumulative_with_le_bounds():
 
 def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     metrics = ServerMetrics()
-    stream = RequestStream("r", [1, 2, 3], (), None, frozenset(), arrival=100.0)
+    stream = RequestStream("r", [1, 2, 3], (), None, frozenset(), arrival=100.0, pacer=SendPacer(1))
     stream.feed(Delta("r", [5], None, None, queue_time=0.25))
+    stream.take_response()
     stream.feed(Delta("r", [6, 7], None, "length"))
+    stream.take_response()
     stream.first_token_at, stream.finished_at = 100.5, 101.5  # fix the clock
     metrics.observe_stream(stream)
-    metrics.observe_stream(RequestStream("gone", [1], (), None, frozenset(), arrival=0.0))
+    metrics.observe_stream(RequestStream("gone", [1], (), None, frozenset(), arrival=0.0, pacer=SendPacer(1)))
     metrics.observe_rejection("INVALID_ARGUMENT")
     stats = EngineStats(steps={"EXTEND": 2, "DECODE": 5, "MIXED": 1}, kv_pages_free=30, kv_pages_total=40,
                         running=1, waiting=2, preemptions=0, graph_replays=5, compiled_steps=1, eager_steps=2,
