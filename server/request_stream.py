@@ -12,8 +12,9 @@ into a message (``take_response``), all of a message's tokens at once where no s
 (``IncrementalDetokenizer.add_many``). Every engine step feeds every stream on the event loop, in one
 callback, so decoding each token there (~1.2 ms a step for 64 streams on the 2-core CPU machine, by
 cProfile) held back everything else on the loop, new calls included; and tokens that wait for a busy
-loop are merged into one message, whose decode then covers them all. Deltas that arrive while the handler is still sending are merged the same way, so a
-slow client gets fewer, larger messages rather than a growing backlog of tiny ones.
+loop are merged into one message, whose decode then covers them all. Deltas that arrive while the
+handler is still sending are merged the same way, so a slow client gets fewer, larger messages rather
+than a growing backlog of tiny ones.
 
 ``SendPacer`` bounds how many streams build and send a message in one round of the event loop (see
 there).
@@ -97,9 +98,8 @@ class RequestStream:
         if delta.logprobs is not None:
             self._fed_logprobs += delta.logprobs
         self._engine_finish = delta.finish_reason
-        if self._waiting and not self._queued:
-            self._queued = True
-            self._pacer.request(self._grant)
+        if self._waiting:
+            self._ask_turn()
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         if not self.finished:
@@ -112,15 +112,19 @@ class RequestStream:
         send it: its turn from the pacer, or at once where there is nothing more to send."""
         if self._closed or self.error is not None:
             return
-        if self._fed or self._engine_finish is not None or self.finished:
-            await self._pacer.turn()
-            return
         self._wakeup.clear()
         self._waiting = True
+        if self._fed or self._engine_finish is not None or self.finished:
+            self._ask_turn()  # else the next feed asks
         try:
-            await self._wakeup.wait()  # set by _grant, once a feed has queued it; or by fail
+            await self._wakeup.wait()  # set by _grant, or by fail
         finally:
             self._waiting = False
+
+    def _ask_turn(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self._pacer.request(self._grant)
 
     def _grant(self) -> bool:
         """The pacer's turn for this stream; False (the turn goes to the next) if it stopped waiting."""
@@ -213,19 +217,6 @@ class SendPacer:
                 self._left -= 1
         else:
             self._queue.append(grant)
-
-    async def turn(self) -> None:
-        """Returns once the caller may build and send one message."""
-        waiter = asyncio.get_running_loop().create_future()
-
-        def grant() -> bool:
-            if waiter.done():  # cancelled: its call ended while it waited
-                return False
-            waiter.set_result(None)
-            return True
-
-        self.request(grant)
-        await waiter
 
     def _schedule_refill(self) -> None:
         # call_soon: the refill runs after everything already queued, i.e. once per round.

@@ -106,7 +106,16 @@ def run_pacer(per_round: int, callers: int, cancel: set[int] = frozenset()) -> l
         granted = []
 
         async def one(i):
-            await pacer.turn()
+            waiter = loop.create_future()
+
+            def grant() -> bool:  # as a stream's: refused once its call has ended (here: cancelled)
+                if waiter.done():
+                    return False
+                waiter.set_result(None)
+                return True
+
+            pacer.request(grant)
+            await waiter
             granted.append((rounds, i))
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(callers)]
