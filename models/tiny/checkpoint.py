@@ -8,6 +8,7 @@ SGLang's MTP loaders read. Router biases stay fp32 (transformers loads them fp32
 """
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ MTP_ONLY_TENSORS = (
     "shared_head.norm.weight",
     "shared_head.head.weight",
 )
+# Of those, the copies of the main model's embedding and head (DeepSeek-V3 §2.2: shared while training).
+SHARED_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -68,6 +71,25 @@ def mtp_tensors(model: DeepseekV3WithMTP) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> DeepseekV3WithMTP:
+    """A checkpoint `save_checkpoint` wrote, back as the training module (fp32 parameters, fp32 buffers): the
+    main model through `from_pretrained`, the MTP layer from its `model.layers.{L}.*` tensors (experts fused
+    back into transformers' layout; its embedding and head copies are the main model's, as in training)."""
+    main = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model = DeepseekV3WithMTP(main.config)
+    model.main.load_state_dict(main.state_dict())
+    prefix = f"model.layers.{main.config.num_hidden_layers}."
+    stored = {k[len(prefix):]: v for k, v in load_file(path / WEIGHTS_FILE).items() if k.startswith(prefix)}
+    experts = range(main.config.n_routed_experts)
+    state = {k: v for k, v in stored.items() if ".experts." not in k and k not in SHARED_TENSORS}
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([stored[f"mlp.experts.{e}.gate_proj.weight"], stored[f"mlp.experts.{e}.up_proj.weight"]])
+         for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([stored[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    model.mtp.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.to(device)
+
+
 def _check_layout(tensors: dict[str, torch.Tensor], moe_layer: int, mtp_layer: int) -> None:
     """The MTP layer must look like a regular MoE layer of the same file, plus exactly the MTP-only tensors."""
 
@@ -96,6 +118,30 @@ def save_checkpoint(model: DeepseekV3WithMTP, shipped: DeepseekV3ForCausalLM, ou
     saved = json.loads(config_path.read_text())
     saved["torch_dtype"] = "bfloat16"
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def replace_mtp_layer(model: DeepseekV3WithMTP, src: Path, out: Path) -> None:
+    """`src`'s checkpoint into `out` (which may be `src`) with the MTP layer's tensors taken from `model`; every
+    other file is copied, report.json aside, and every other tensor stays `src`'s, bit for bit. The embedding
+    and head copies must equal the stored ones: the main model's are not to change."""
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != src.resolve():
+        for path in src.iterdir():
+            if path.is_file() and path.name not in (WEIGHTS_FILE, "report.json"):
+                shutil.copy2(path, out / path.name)
+    tensors = load_file(src / WEIGHTS_FILE)
+    replaced = mtp_tensors(model)
+    missing = sorted(replaced.keys() - tensors.keys())
+    if missing:
+        raise ValueError(f"{src} has no MTP layer to replace: {missing[:4]} ...")
+    prefix = f"model.layers.{model.main.config.num_hidden_layers}."
+    changed = [name for name in SHARED_TENSORS if not torch.equal(replaced[prefix + name], tensors[prefix + name])]
+    if changed:
+        raise ValueError(f"{changed} differ from {src}'s: the main model's embedding and head must not change")
+    tensors.update(replaced)
+    config = model.main.config
+    _check_layout(tensors, moe_layer=config.first_k_dense_replace, mtp_layer=config.num_hidden_layers)
+    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
 
 
 @torch.no_grad()

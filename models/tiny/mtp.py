@@ -48,9 +48,71 @@ class MTPLayer(DeepseekV3DecoderLayer):
     ) -> torch.Tensor:
         """hidden: main model's final-normed states [B, T, H]; next_embeds: embed(t_{i+1}) [B, T, H].
         Returns the normed MTP states [B, T, H]; the shared head turns them into logits for t_{i+2}."""
-        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))  # [B, T, H]
-        x = super().forward(x, attention_mask=None, position_embeddings=position_embeddings)
+        return self.decode(self.combine(hidden, next_embeds), position_embeddings)
+
+    def combine(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input: eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]). [B, T, H]"""
+        return self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder layer and shared_head.norm over `x` [B, T, H]; `attention_mask` [T, T] bool (True:
+        attend) replaces the causal mask."""
+        mask = None if attention_mask is None else attention_mask[None, None]  # [1, 1, T, T]
+        x = super().forward(x, attention_mask=mask, position_embeddings=position_embeddings)
         return self.shared_head["norm"](x)
+
+
+def draft_chain_mask(length: int, depth: int, device: torch.device | None = None) -> torch.Tensor:
+    """Attention of `depth` chained MTP passes over one sequence of `length` positions, laid out as blocks
+    [pass 1 | pass 2 | ... | pass depth], each `length` long. [depth * length, depth * length] bool, True: attend.
+
+    Pass q at position j drafts from base b = j - q + 1, the last position the target verified: it reads
+    what a q-deep draft finds in the latent cache there, pass 1's keys at positions <= b (written when the
+    target's states arrived) and pass r's key at b + r - 1 for r = 2..q (written by the draft steps before
+    it). Pass 1 is plain causal attention. Every position reads its own key; positions j < q - 1 have no base,
+    and no valid position's draft reads them."""
+    j = torch.arange(length, device=device)[:, None]  # query position
+    p = torch.arange(length, device=device)[None, :]  # key position
+    rows = []
+    for q in range(1, depth + 1):
+        base = j - q + 1
+        blocks = [p <= base] + [p == base + r - 1 for r in range(2, q + 1)]
+        blocks += [torch.zeros(length, length, dtype=torch.bool, device=device)] * (depth - q)
+        rows.append(torch.cat(blocks, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def chained_passes(
+    mtp: MTPLayer,
+    hidden: torch.Tensor,
+    next_embeds: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    depth: int,
+) -> list[torch.Tensor]:
+    """The normed states of MTP passes 1..depth over a whole sequence at once, as a `depth`-deep draft runs
+    them: pass 1 is fed the main model's states, pass m > 1 the state pass m - 1 produced one position
+    earlier (its draft's position) and the same token embedding, and each pass attends as
+    `draft_chain_mask` says. hidden, next_embeds: [B, T, H]; returns `depth` tensors [B, T, H], where pass m
+    at position j drafts t_{j+2} from base j - m + 1 (positions j < m - 1 mean nothing).
+    Each pass re-runs the passes before it inside one attention call (depth * (depth + 1) / 2 passes' work)."""
+    length = hidden.shape[1]
+    mask = draft_chain_mask(length, depth, hidden.device)
+    cos, sin = position_embeddings
+    inputs: list[torch.Tensor] = []
+    states: list[torch.Tensor] = []
+    for m in range(1, depth + 1):
+        if m > 1:  # position j continues the draft made at position j - 1
+            hidden = torch.cat([torch.zeros_like(states[-1][:, :1]), states[-1][:, :-1]], dim=1)
+        inputs.append(mtp.combine(hidden, next_embeds))
+        n = m * length
+        out = mtp.decode(torch.cat(inputs, dim=1), (cos.repeat(1, m, 1), sin.repeat(1, m, 1)), mask[:n, :n])
+        states.append(out[:, -length:])
+    return states
 
 
 class DeepseekV3WithMTP(nn.Module):
