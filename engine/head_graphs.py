@@ -40,9 +40,10 @@ def plain_greedy(rows: Sequence[Request]) -> bool:
 
 
 class HeadGraphs:
-    def __init__(self, graphs: GraphRunner, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, graphs: GraphRunner, greedy_tokens: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``greedy_tokens``: hidden states [T, *] -> the argmax of their logits [T]."""
         self.graphs = graphs
-        self.compute_logits = compute_logits
+        self.greedy_tokens = greedy_tokens
         self.keys = tuple(key for key in graphs.keys
                           if key.mode is ForwardMode.DECODE and graphs.output(key) is not None)
         device = graphs.buffers.device
@@ -53,7 +54,7 @@ class HeadGraphs:
         self.replays = 0
 
     def _head(self, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        picks = self.compute_logits(hidden).argmax(dim=-1)  # [T]
+        picks = self.greedy_tokens(hidden)  # [T]
         tokens = self.tokens[:key.num_tokens]
         if key.q_len_per_req == 1:
             return tokens.copy_(picks)

@@ -137,7 +137,7 @@ class ModelRunner:
         with self.graph_cache.active():
             reports = self.graphs.prepare(on_key)
         if self.graphs.cuda_graphs:
-            self.heads = HeadGraphs(self.graphs, self.model.compute_logits)
+            self.heads = HeadGraphs(self.graphs, self.model.greedy_tokens)
             self.heads.capture()
         if found is None or rewrite_manifest:
             self.graph_cache.write_manifest(reports)
@@ -254,7 +254,7 @@ class ModelRunner:
         hidden = self.forward(batch, None if decode else batch.gather_ids)
         if self.replay_head(batch):
             return self.heads.tokens[:batch.num_tokens]
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        return self.model.greedy_tokens(hidden)
 
     def replay_head(self, batch: ForwardBatch) -> bool:
         """Right after ``forward(batch)``: replays the greedy head graph of the DECODE key the step

@@ -222,6 +222,11 @@ class MTPLayer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``compute_logits`` [N], taken on the head's own output: the float32 cast is exact
+        and keeps the order, so it picks the same token without a cast's launch."""
+        return self.shared_head.head(hidden).argmax(dim=-1)
+
 
 class DeepseekForCausalLM(nn.Module):
     """The target model. ``forward`` returns the final-normed hidden state of every token (what the
@@ -247,3 +252,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden[:, :self.cfg.hidden_size]).float()  # [N, V]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``compute_logits`` [N], on the head's own output (the float32 cast is exact)."""
+        return self.lm_head(hidden[:, :self.cfg.hidden_size]).argmax(dim=-1)

@@ -249,6 +249,12 @@ class Eagle3Model(nn.Module):
         logits = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))  # [N, V]
         return logits.index_copy_(1, self.target_ids, draft)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A greedy draft [N] in target ids: the draft vocab's argmax, mapped (no target-vocab logits built).
+        Where draft ids tie it takes the lowest draft id, which ``compute_logits``' argmax may order
+        differently when d2t does not keep the order: either is a greedy draft."""
+        return self.target_ids[self.lm_head(self.norm(hidden)).argmax(dim=-1)]
+
 
 def load_eagle3(model_dir: str | Path, cfg: Eagle3Config, attention: PagedAttention,
                 target_embedding: nn.Embedding, device: torch.device, dtype: torch.dtype) -> Eagle3Model:

@@ -30,6 +30,9 @@ class ModelDrafter(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[D, H_draft] -> float32 logits over the target vocab [D, V]."""
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[D, H_draft] -> greedy drafts [D] (target ids), without building float32 logits."""
+
 
 class MtpDrafter:
     """The checkpoint's nextn layer: fed the target's final-normed state, then its own normed output.
@@ -48,6 +51,9 @@ class MtpDrafter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp.compute_logits(hidden)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp.greedy_tokens(hidden)
 
 
 class Eagle3Drafter:
@@ -72,6 +78,9 @@ class Eagle3Drafter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.eagle3.compute_logits(hidden)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eagle3.greedy_tokens(hidden)
 
 
 def model_drafter(method: str, runner) -> ModelDrafter | None:

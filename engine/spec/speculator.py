@@ -27,7 +27,7 @@ the host needs from a step comes back in one device-to-host copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,6 +68,7 @@ class Speculator:
         else:
             self.host_drafter = None
         self.lookahead = self.k - 1 if self.model_drafter is not None else 0
+        self._offsets = torch.arange(1, self.k + 1, device=runner.device)[:, None]  # [k, 1]: draft steps ahead
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of a stochastic model draft
         self.drafted = 0
         self.accepted = 0
@@ -247,17 +248,17 @@ class Speculator:
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
         if greedy:
-            return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table, _greedy_pick,
-                                         self.model_drafter.forward, steps)
+            return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table,
+                                         self._greedy_pick, self.model_drafter.forward, steps)
         prompt_lens = torch.tensor([len(r.prompt_token_ids) for r in drafting], dtype=torch.long, device=device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
         qs = []
 
-        def pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def pick(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             # The draft at ``positions`` + 2 is its request's output token of that index.
             t = replace(base, counters=positions + 2 - prompt_lens)
-            q = processed_probs(logits, t)  # [D, V]
+            q = processed_probs(self.model_drafter.logits(hidden), t)  # [D, V]
             qs.append(q)
             return torch.where(t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters,
                                                                                        DRAFT_SALT))
@@ -277,7 +278,7 @@ class Speculator:
         compiled drafter takes decode-only passes: a first pass over prefill rows runs the eager module."""
         steps = self.compiled_drafter or self.model_drafter.forward
         first = steps if static.mode is ForwardMode.DECODE else self.model_drafter.forward
-        return self._draft(static, ids, hidden, src, positions, page_table, _greedy_pick, first, steps,
+        return self._draft(static, ids, hidden, src, positions, page_table, self._greedy_pick, first, steps,
                            plan_first=False)
 
     def _draft_steps(self, page_table: torch.Tensor) -> tuple[Callable, torch.Tensor]:
@@ -295,19 +296,19 @@ class Speculator:
                pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], first: Callable, steps: Callable,
                plan_first: bool = True) -> torch.Tensor:
         """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``,
-        at ``positions`` [D] (pages ``page_table`` [D, P]); ``pick(logits [D, V], positions [D])``
+        at ``positions`` [D] (pages ``page_table`` [D, P]); ``pick(states [D, H], positions [D])``
         chooses each draft.
         ``first`` runs the first drafter pass, ``steps`` each decode-only step after it."""
         drafter = self.model_drafter
         h = self._drafter_pass(first, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
-        drafts: list[torch.Tensor] = []
-        for s in range(self.k):
-            if s:
-                positions = positions + 1
-                step = _decode_batch(positions, page_table, batch.page_size, drafts[-1])
-                h = self._drafter_pass(steps, step, drafts[-1], h)
-            drafts.append(pick(drafter.logits(h), positions))
+        drafts = [pick(h, positions)]
+        for step in _later_draft_steps(positions, page_table, batch.page_size, self._offsets, drafts):
+            h = self._drafter_pass(steps, step, step.input_ids, h)
+            drafts.append(pick(h, step.positions))
         return torch.stack(drafts, dim=1)
+
+    def _greedy_pick(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model_drafter.greedy(hidden)
 
     def _drafter_pass(self, forward: Callable, batch: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor,
                       plan: bool = True) -> torch.Tensor:
@@ -343,26 +344,30 @@ class Speculator:
         }
 
 
-def _greedy_pick(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
 def _without_penalties(params):
     return replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
 
-def _decode_batch(positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                  input_ids: torch.Tensor) -> ForwardBatch:
-    """A decode-only q_len-1 step built on device (no host reads): one token per row at
-    ``positions``, its cache slot looked up in the row's pages."""
+def _later_draft_steps(positions: torch.Tensor, page_table: torch.Tensor, page_size: int, offsets: torch.Tensor,
+                       drafts: list[torch.Tensor]) -> Iterator[ForwardBatch]:
+    """Draft steps 2..k of rows whose first draft is read at ``positions`` [D]: decode-only q_len-1 steps
+    built on the device (no host reads), step s at ``positions`` + s and fed ``drafts[-1]``, each token's
+    cache slot looked up in its row's pages ``page_table`` [D, P]. ``offsets`` = [1 .. k] as a [k, 1]
+    column. The fields of every step come from one pass of small kernels over all of them (about ten, where
+    one step's alone took eleven); ``drafts`` is read as each step is taken, so the caller appends a step's
+    draft before asking for the next."""
+    steps = offsets.shape[0] - 1
+    if steps == 0:
+        return
+    ahead = positions[None, :] + offsets  # [k, D]: row s - 1 holds step s's positions, row s its lengths
+    lengths = ahead.to(torch.int32)
+    pages = page_table.gather(1, (ahead[:steps] // page_size).t()).t()  # [k - 1, D]
+    slots = (pages * page_size + ahead[:steps] % page_size).contiguous()  # [k - 1, D]
     rows = positions.shape[0]
-    seq_lens = (positions + 1).to(torch.int32)
-    pages = page_table.gather(1, (positions // page_size)[:, None]).squeeze(1).long()
-    return ForwardBatch(
-        num_extends=0, q_len_per_req=1, bs=rows, num_tokens=rows, page_size=page_size,
-        input_ids=input_ids, positions=positions, slot_mapping=pages * page_size + positions % page_size,
-        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
-        qo_indptr=torch.arange(rows + 1, dtype=torch.int32, device=positions.device),
-        page_table=page_table, gather_ids=torch.arange(rows, device=positions.device),
-        seq_lens_cpu=[], prefix_lens_cpu=[],
-    )
+    qo_indptr = torch.arange(rows + 1, dtype=torch.int32, device=positions.device)
+    gather_ids = qo_indptr[:rows].long()
+    for s in range(steps):
+        yield ForwardBatch(num_extends=0, q_len_per_req=1, bs=rows, num_tokens=rows, page_size=page_size,
+                           input_ids=drafts[-1], positions=ahead[s], slot_mapping=slots[s], seq_lens=lengths[s + 1],
+                           prefix_lens=lengths[s], qo_indptr=qo_indptr, page_table=page_table,
+                           gather_ids=gather_ids, seq_lens_cpu=[], prefix_lens_cpu=[])

@@ -13,7 +13,7 @@ from torch import nn
 
 from encore.backends.metadata import ForwardMode
 from encore.engine import Engine
-from encore.engine.spec.speculator import _decode_batch
+from encore.engine.spec.speculator import _later_draft_steps
 from encore.graphs.compiler import CompiledDrafter, CompiledModel
 from encore.graphs.keys import GraphKey
 from encore.passes.pipeline import passes_for
@@ -77,7 +77,8 @@ def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, chec
         positions = torch.randint(3, 15, (rows,), generator=gen)
         ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
         hidden = torch.randn(rows, width, generator=gen)
-        batch = _decode_batch(positions, table, 4, ids)
+        # A draft's second step is a q_len-1 decode step at the first draft's position + 1.
+        batch = next(_later_draft_steps(positions - 1, table, 4, torch.arange(1, 3)[:, None], [ids]))
         with torch.inference_mode():
             want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
             got = speculator._drafter_pass(compiled, batch, ids, hidden)
