@@ -10,10 +10,11 @@ B. encore-tiny end to end (``--dtype``, float32 by default; CUDA graphs, greedy,
    acceptance collapses. Real MTP needs no such thing: ``--methods mtp --dtype bfloat16`` measures it
    in the checkpoint's own dtype. A batch size's engines are all built first and then timed in rounds,
    one generate call each in turn; a speedup is the median of its rounds' ratios to the plain call of
-   the same round.
+   the same round. The prompts rotate from round to round (all engines of a round run the same ones),
+   so at bs 1 each of the four prompts is continued in turn.
 
     python benchmarks/bench_spec.py [--skip-v2-lite] [--methods mtp,replay] [--compile] [--dtype float32]
-        [--repeats 15] [--json out.json]
+        [--repeats 15] [--model DIR] [--batch-sizes 1,16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,41 +59,49 @@ def verify_vs_decode(context: int, iters: int) -> list[dict]:
     return rows
 
 
+def round_prompts(bs: int, round_: int) -> list[str]:
+    """A round's prompts: every engine runs the same ones in a round; from round to round they rotate, so
+    bs 1 goes through each of PROMPTS in turn (one prompt's continuation is one small sample of drafting)."""
+    return [PROMPTS[(round_ + i) % len(PROMPTS)] for i in range(bs)]
+
+
 class Timed:
     """One engine and its requests, timed generate call by generate call. Every engine of a batch size
     is built and warmed up first, then the timed calls go round the engines in turn, so each round
     compares them under the same host conditions (this host-bound model's tokens/s moves by up to
     30 % between minutes of one machine)."""
 
-    def __init__(self, bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str) -> None:
+    def __init__(self, bs: int, speculative: dict | None, max_tokens: int, compile_: bool, dtype: str,
+                 model: str | None) -> None:
         # A fixed pool (a request's 512 tokens for each row, and the dummy page): the default sizes
         # the pool from the memory left free, which the engines built first would take.
-        self.engine = Engine(device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True, max_model_len=512,
-                             num_kv_pages=1 + bs * 512 // 16, speculative=speculative, **KEYS)
+        self.engine = Engine(model=model, device="cuda", dtype=dtype, compile=compile_, cuda_graphs=True,
+                             max_model_len=512, num_kv_pages=1 + bs * 512 // 16, speculative=speculative, **KEYS)
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
+        self.bs = bs
         self.tokens_per_call = bs * max_tokens
         self.rates: list[float] = []
         # One untimed call: a graph's first replay pays its upload; eager prefill kernels JIT-compile per shape.
-        self.tokens = {o.request_id: o.token_ids for o in self.engine.generate(self.prompts, self.params)}
+        self.tokens = {o.request_id: o.token_ids for o in self.engine.generate(round_prompts(bs, 0), self.params)}
 
-    def time_call(self) -> None:
+    def time_call(self, round_: int) -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = self.engine.generate(self.prompts, self.params)
+        outs = self.engine.generate(round_prompts(self.bs, round_), self.params)
         self.rates.append(self.tokens_per_call / (time.perf_counter() - start))
         self.tokens.update((o.request_id, o.token_ids) for o in outs)
 
 
-def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, repeats: int) -> list[dict]:
+def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, repeats: int, model: str | None,
+               batch_sizes: list[int]) -> list[dict]:
     """Per batch size: the plain engine (the peer) and one engine per drafter and k, timed in ``repeats``
     rounds of one generate call each; a row's tokens/s is its median over the rounds and its speedup
     the median of its per-round ratios to the plain engine's call of the same round."""
     rows = []
-    for bs in (1, 16):
+    for bs in batch_sizes:
         # Every engine here runs the same generate calls, so a request id names the same row in each,
         # and the replaying drafter replays the plain run's tokens under it.
-        plain = Timed(bs, None, max_tokens + 8, compile_, dtype)
+        plain = Timed(bs, None, max_tokens + 8, compile_, dtype, model)
         configs = ([("mtp", None)] if "mtp" in methods else []) + (
             [("replay", e) for e in (0.5, 0.3, 0.1)] if "replay" in methods else [])
         specs = []
@@ -102,12 +111,12 @@ def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, 
                 if method == "replay":
                     spec.update(continuations=plain.tokens, error_rate=error)
                 label = "mtp" if method == "mtp" else f"replay err {error}"
-                specs.append((label, k, Timed(bs, spec, max_tokens, compile_, dtype)))
+                specs.append((label, k, Timed(bs, spec, max_tokens, compile_, dtype, model)))
         freeze_start_up_heap()  # as the server's engine process does: no timed call walks the engines' build garbage
-        for _ in range(repeats):
-            plain.time_call()
+        for round_ in range(repeats):
+            plain.time_call(round_)
             for _, _, timed in specs:
-                timed.time_call()
+                timed.time_call(round_)
         rows.append({"bs": bs, "drafter": "none", "k": 0, "tok_s": round(statistics.median(plain.rates), 1),
                      "speedup": 1.0, "acceptance": None, "tok_s_per_round": [round(r) for r in plain.rates]})
         for label, k, timed in specs:
@@ -116,6 +125,7 @@ def end_to_end(max_tokens: int, methods: list[str], compile_: bool, dtype: str, 
             rows.append({"bs": bs, "drafter": label, "k": k, "tok_s": round(statistics.median(timed.rates), 1),
                          "speedup": round(statistics.median(ratios), 2),
                          "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                         "speedup_per_round": [round(r, 3) for r in ratios],
                          "tok_s_per_round": [round(r) for r in timed.rates],
                          "acceptance": round(stats["spec_acceptance_rate"], 3),
                          "mean_accepted_len": round(stats["spec_mean_accepted_length"], 2),
@@ -138,6 +148,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="part B's dtype; the replay drafter needs float32 "
                     "(module docstring), real MTP runs in the checkpoint's bfloat16 too")
     ap.add_argument("--repeats", type=int, default=15, help="rounds of timed generate calls in part B (median)")
+    ap.add_argument("--model", default=None, help="part B's checkpoint directory (default: encore-tiny)")
+    ap.add_argument("--batch-sizes", default="1,16", help="part B's batch sizes")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}")
@@ -147,7 +159,8 @@ def main() -> None:
         print(f"{'bs':>3} {'q_len':>5} {'ms':>8} {'x decode':>9}")
         for r in a:
             print(f"{r['bs']:>3} {r['q_len']:>5} {r['ms']:>8} {r['x_decode']:>9}")
-    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype, args.repeats)
+    b = end_to_end(args.max_tokens, args.methods.split(","), args.compile, args.dtype, args.repeats, args.model,
+                   [int(bs) for bs in args.batch_sizes.split(",")])
     print(f"B. encore-tiny end to end, {args.dtype}, greedy, CUDA graphs, compile={args.compile} "
           "(replay acceptance is synthetic)")
     print(f"{'bs':>3} {'drafter':>16} {'k':>2} {'tok/s':>9} {'speedup':>8} {'range':>12} {'accept':>7} {'mean len':>8}")
