@@ -3,15 +3,23 @@
 ``torch.tensor(list)`` converts element by element through PyTorch's generic sequence path: ~60 µs
 for 600 ints on this repo's CPU. Packing the list into an ``array`` first and wrapping its buffer
 takes ~20 µs, and a step builds several such tensors (the batch layout, the sampling parameters).
+
+Each host-to-device copy costs ~10 µs of host time on an H100 host, so a step's fields go in as few
+copies as possible (``upload``). Pinned staging does not make them cheaper through PyTorch: buffers
+from its caching host allocator (an allocation and a recorded event per copy) made a bs-1 step of
+encore-tiny ~100 µs slower (session 16, benchmarks/README.md), and a pageable source is free again as
+soon as the copy call returns.
 """
 
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 
 import torch
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+_ALIGN = 8  # bytes: each part of an ``upload`` starts at a multiple of the widest element
 
 
 def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -19,3 +27,22 @@ def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
+    """1-D tensors on ``device`` of each (values, dtype) in ``parts``, in one host-to-device copy: the
+    parts are packed back to back (each at an 8-byte-aligned offset) into one host buffer, and the
+    device copy of it is cut into views of the parts' dtypes."""
+    packed = [array.array(_TYPECODES[dtype], values) for values, dtype in parts]
+    offsets, total = [], 0
+    for a in packed:
+        offsets.append(total)
+        total += -(-len(a) * a.itemsize // _ALIGN) * _ALIGN
+    host = bytearray(max(total, _ALIGN))
+    view = memoryview(host)
+    for a, offset in zip(packed, offsets):
+        view[offset:offset + len(a) * a.itemsize] = memoryview(a).cast("B")
+    on_device = torch.frombuffer(host, dtype=torch.uint8).to(device, non_blocking=True)
+    typed = {dtype: on_device.view(dtype) for _, dtype in parts}
+    return [typed[dtype][offset // a.itemsize:offset // a.itemsize + len(a)]
+            for a, offset, (_, dtype) in zip(packed, offsets, parts)]

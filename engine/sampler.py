@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from encore.backends.host_tensors import host_tensor
+from encore.backends.host_tensors import upload
 from encore.engine.sampling_params import SamplingParams
 
 SAMPLE_SALT = 0  # salt of the draw in Sampler; other users of seeded_uniform pick other salts
@@ -70,7 +70,7 @@ class SamplingTensors:
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
               device: torch.device) -> SamplingTensors:
-        """Gather per-row values on the host, then copy them to ``device`` in one transfer per dtype."""
+        """Gather per-row values on the host, then copy them to ``device`` in one transfer."""
         n = len(params)
         lengths = {"seeds": len(seeds), "counters": len(counters),
                    "prompt_ids": len(prompt_ids), "output_ids": len(output_ids)}
@@ -82,12 +82,13 @@ class SamplingTensors:
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         needs_output = needs_token_history(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        # Two host-to-device copies (one per dtype), split into per-field views on the device.
-        floats = host_tensor([p.temperature for p in params] + [p.top_p for p in params] + [p.min_p for p in params]
-                             + [p.repetition_penalty for p in params] + [p.presence_penalty for p in params]
-                             + [p.frequency_penalty for p in params], torch.float32).view(6, n).to(device, non_blocking=True)
-        longs = host_tensor([*seeds, *counters, *(p.top_k for p in params)], torch.int64).view(3, n).to(
-            device, non_blocking=True)
+        # One host-to-device copy, split into per-field views on the device.
+        floats, longs = upload([([p.temperature for p in params] + [p.top_p for p in params]
+                                 + [p.min_p for p in params] + [p.repetition_penalty for p in params]
+                                 + [p.presence_penalty for p in params] + [p.frequency_penalty for p in params],
+                                 torch.float32),
+                                ([*seeds, *counters, *(p.top_k for p in params)], torch.int64)], device)
+        floats, longs = floats.view(6, n), longs.view(3, n)
         return cls(
             temperature=floats[0],
             top_p=floats[1],

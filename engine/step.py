@@ -1,4 +1,4 @@
-"""Builds the step layout (``ForwardBatch``) from the scheduler's rows: host lists, one copy each."""
+"""Builds the step layout (``ForwardBatch``) from the scheduler's rows: host lists, one copy in all."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from itertools import accumulate
 
 import torch
 
-from encore.backends.host_tensors import host_tensor
+from encore.backends.host_tensors import upload
 from encore.backends.metadata import ForwardBatch
 from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager
 from encore.engine.request import Request
@@ -76,16 +76,16 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
 def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: list[int], positions: list[int],
                slots: list[int], seq_lens: list[int], prefix_lens: list[int], qo_indptr: list[int],
                tables: list[list[int]], gather_ids: list[int], device: torch.device) -> ForwardBatch:
-    """The step layout from its host lists, in two host-to-device copies (one per dtype) split into
-    views on the device; page-table rows are padded with 0 to the longest."""
+    """The step layout from its host lists, in one host-to-device copy (``host_tensors.upload``) split
+    into views on the device; page-table rows are padded with 0 to the longest."""
     max_pages = max((len(t) for t in tables), default=0)
     flat_table: list[int] = []  # [bs * max_pages]
     for t in tables:
         flat_table += t
         flat_table += [0] * (max_pages - len(t))
     tokens, bs = len(input_ids), len(seq_lens)
-    longs = host_tensor(input_ids + positions + slots + gather_ids, torch.int64).to(device, non_blocking=True)
-    ints = host_tensor(seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32).to(device, non_blocking=True)
+    longs, ints = upload([(input_ids + positions + slots + gather_ids, torch.int64),
+                          (seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32)], device)
     return ForwardBatch(
         num_extends=num_extends,
         q_len_per_req=q_len_per_req,

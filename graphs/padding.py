@@ -30,7 +30,6 @@ import array
 
 import torch
 
-from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.graphs.keys import GraphKey
@@ -39,14 +38,18 @@ from encore.graphs.keys import GraphKey
 class StepBuffers:
     """Device buffers for the largest key; ``fill`` writes a (padded) step into them.
 
-    The per-token fields share one int64 buffer at fixed offsets (input ids at 0, positions at S, slots
-    at 2S, S: the largest key's tokens rounded up to 8) and a key's per-row fields are consecutive
-    slices of one int32 buffer (seq_lens [0, bs), prefix_lens [bs, 2bs), qo_indptr [2bs, 3bs + 1)), so
-    that a step arrives in one host-to-device copy per dtype, built on the host from the batch's lists;
-    the page table is its own [rows, pages] buffer, written on the device from the batch's table (as
-    wide as the step's longest row, where the key's may be wider). The ids and positions, a compiled
-    graph's inputs, sit at the same 64-byte-aligned offsets for every key: a guard on a view's storage
-    offset then holds for all of a family's keys.
+    One device buffer holds a step's fields at fixed offsets, S being the largest key's tokens rounded
+    up to 8: the input ids (int64, at 0), then a key's per-row fields as consecutive int32 slices
+    (seq_lens [0, bs), prefix_lens [bs, 2bs), qo_indptr [2bs, 3bs + 1)) in a region of R bytes, then
+    the positions and the slots (int64, S each). One host buffer mirrors it, so a step is written into
+    the host buffer from the batch's lists and arrives in one host-to-device copy, up to the last slot
+    (each copy is ~10 µs of host time on an H100 host, and a pageable source is free again once the
+    call returns). The page table is its own [rows, pages] buffer, written on the device from the
+    batch's table (as wide as the step's longest row, where the key's may be wider). The ids and
+    positions, a compiled graph's inputs, sit at the same offsets for every key, the ids at 0 as in a
+    step built by ``engine.step.pack_batch`` (a guard on a view's storage offset then holds for all of
+    a family's keys, and for the unpadded steps it runs), the others 64-byte aligned. A key's views of
+    the fields are made once and handed out again.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_pages: int, page_size: int, device: torch.device,
@@ -58,10 +61,28 @@ class StepBuffers:
         self.max_pages = max_pages
         self.full_page_table = full_page_table
         self.stride = -(-max_tokens // 8) * 8
-        self.longs = torch.zeros(3 * self.stride, dtype=torch.int64, device=device)
-        self._zeros = array.array("q", bytes(8 * self.stride))
-        self.ints = torch.zeros(3 * max_rows + 1, dtype=torch.int32, device=device)
+        field = 8 * self.stride
+        ints_bytes = -(-(3 * max_rows + 1) * 4 // 64) * 64
+        # Byte offsets of the ids, the per-row ints, the positions and the slots.
+        self._at = (0, field, field + ints_bytes, 2 * field + ints_bytes)
+        size = 3 * field + ints_bytes
+        self._data = torch.zeros(size, dtype=torch.uint8, device=device)
+        # Whole-buffer views per dtype, made here: a dtype view made under inference mode (as ``fill``
+        # runs) would be an inference tensor, whose dispatch keys a compiled graph's guards tell apart
+        # from those of a step built by ``pack_batch``; slices of these views are not.
+        self._typed = {dtype: self._data.view(dtype) for dtype in (torch.int64, torch.int32)}
+        self._host = bytearray(size)
+        self._host_bytes = memoryview(self._host)
+        self._host_tensor = torch.frombuffer(self._host, dtype=torch.uint8)
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self._views: dict[GraphKey, tuple[torch.Tensor, ...]] = {}  # a key's fields
+        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def _field(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``count`` elements of ``dtype`` at byte ``offset`` of the device buffer."""
+        typed = self._typed[dtype]
+        start = offset // typed.element_size()
+        return typed[start:start + count]
 
     def fill(self, key: GraphKey, batch: ForwardBatch | None) -> ForwardBatch:
         """Copies ``batch`` (None: an all-padding step, for warm-up and capture) into the buffers,
@@ -86,20 +107,20 @@ class StepBuffers:
         pad_positions = list(range(q)) * pad_rows
         dummy = DUMMY_PAGE * self.page_size
         bucket = P - n  # the padded prefill rows' tokens, then padding owned by no row
-        S = self.stride
-        gap = self._zeros[:S - T]  # up to the next field's offset; an array, copied without conversion
-        longs = array.array("q", ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end))
-        longs += gap
-        longs.extend(positions[:n] + [0] * bucket + positions[n:] + pad_positions)
-        longs += gap
-        longs.extend(slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
         ints = (seq[:e] + [1] * (E - e) + seq[e:] + [q] * pad_rows
                 + prefix[:e] + [0] * (E - e) + prefix[e:] + [0] * pad_rows
                 + qo[:e + 1] + list(range(n + 1, n + E - e + 1))  # a padded prefill row: one token
                 + [offset + bucket for offset in qo[e + 1:]]  # real decode rows start after the bucket
                 + list(range(dec_end + q, T + 1, q)))
-        self.longs[:2 * S + T].copy_(torch.frombuffer(longs, dtype=torch.int64), non_blocking=True)
-        self.ints[:3 * bs + 1].copy_(host_tensor(ints, torch.int32), non_blocking=True)
+        # Each field at its offset in the host buffer; what lies between them is never read.
+        host, (ids_at, ints_at, positions_at, slots_at) = self._host_bytes, self._at
+        _put(host, ids_at, "q", ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end))
+        _put(host, ints_at, "i", ints)
+        _put(host, positions_at, "q", positions[:n] + [0] * bucket + positions[n:] + pad_positions)
+        _put(host, slots_at, "q",
+             slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
+        end = slots_at + 8 * T
+        self._data[:end].copy_(self._host_tensor[:end], non_blocking=True)
         table = self.page_table
         table[:bs, :width].fill_(DUMMY_PAGE)
         if batch is not None:
@@ -109,14 +130,27 @@ class StepBuffers:
             else:
                 table[:e, :used].copy_(batch.page_table[:e])
                 table[E:E + D, :used].copy_(batch.page_table[e:])
+        views = self._views.get(key)
+        if views is None:
+            ids_at, ints_at, positions_at, slots_at = self._at
+            views = self._views[key] = (
+                self._field(ids_at, T, torch.int64), self._field(positions_at, T, torch.int64),
+                self._field(slots_at, T, torch.int64), self._field(ints_at, bs, torch.int32),
+                self._field(ints_at + 4 * bs, bs, torch.int32), self._field(ints_at + 8 * bs, bs + 1, torch.int32))
+        input_ids, positions_d, slots_d, seq_lens, prefix_lens, qo_indptr = views
         return ForwardBatch(
             num_extends=E, q_len_per_req=q, bs=bs, num_tokens=T, page_size=self.page_size,
-            input_ids=self.longs[:T], positions=self.longs[S:S + T], slot_mapping=self.longs[2 * S:2 * S + T],
-            seq_lens=self.ints[:bs], prefix_lens=self.ints[bs:2 * bs], qo_indptr=self.ints[2 * bs:3 * bs + 1],
-            page_table=table[:bs, :width],
-            gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else self.longs.new_zeros(0),
+            input_ids=input_ids, positions=positions_d, slot_mapping=slots_d,
+            seq_lens=seq_lens, prefix_lens=prefix_lens, qo_indptr=qo_indptr, page_table=table[:bs, :width],
+            gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else self._no_tokens,
             seq_lens_cpu=ints[:bs], prefix_lens_cpu=ints[bs:2 * bs],
         )
+
+
+def _put(host: memoryview, offset: int, typecode: str, values: list[int]) -> None:
+    """Writes ``values`` packed as ``typecode`` into the bytes ``host`` at ``offset``."""
+    packed = array.array(typecode, values)
+    host[offset:offset + len(packed) * packed.itemsize] = memoryview(packed).cast("B")
 
 
 def padded_index(batch: ForwardBatch, key: GraphKey, token_ids: torch.Tensor) -> torch.Tensor:

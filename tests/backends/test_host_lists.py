@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from encore.backends.flashinfer_backend import _row_pages, _rows
-from encore.backends.host_tensors import host_tensor
+from encore.backends.host_tensors import host_tensor, upload
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("dtype, values", [(torch.int64, [3, -1, 2 ** 40]), (torch.int32, [0, 7, -5]),
@@ -16,6 +18,35 @@ def test_host_tensor_holds_the_values_in_its_dtype(dtype, values):
     assert got.dtype == dtype and got.device.type == "cpu"
     assert torch.equal(got, torch.tensor(values, dtype=dtype))
     assert host_tensor([], dtype).shape == (0,) and host_tensor([], dtype).dtype == dtype
+
+
+# Parts whose byte lengths are not multiples of 8 (3 int32, 1 float32), an empty one, and values that
+# only int64 holds: each must land at its own aligned offset, in its own dtype.
+PARTS = [([5, -7, 2 ** 40], torch.int64), ([1, 2, 3], torch.int32), ([], torch.int64), ([0.25], torch.float32),
+         ([9, 8], torch.int32), ([2 ** 62, -1], torch.int64)]
+
+
+def _check_parts(got: list[torch.Tensor], device: torch.device) -> None:
+    assert len(got) == len(PARTS)
+    for tensor, (values, dtype) in zip(got, PARTS):
+        assert tensor.dtype == dtype and tensor.device.type == device.type and tensor.shape == (len(values),)
+        assert tensor.cpu().tolist() == values
+
+
+def test_upload_gives_each_part_in_its_dtype():
+    _check_parts(upload(PARTS, torch.device("cpu")), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_upload_to_cuda_is_one_buffer_cut_into_the_parts():
+    cuda = torch.device("cuda")
+    got = upload(PARTS, cuda)
+    torch.cuda.synchronize()
+    _check_parts(got, cuda)
+    storages = {t.untyped_storage().data_ptr() for t in got}
+    assert len(storages) == 1  # one device buffer: one copy
+    assert all(t.data_ptr() % 8 == 0 for t in got)
 
 
 def test_flashinfer_rows_are_csr_over_the_page_table():
