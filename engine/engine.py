@@ -221,26 +221,32 @@ class Engine:
         return results
 
     def _commit(self, results: list[RowResult]) -> list[RequestOutput]:
-        """Appends each row's emitted tokens in order, stopping at the first that finishes it."""
+        """Appends each row's emitted tokens in order, stopping at the first that finishes it. The text
+        is decoded token by token where a stop string may end it, else once for a row's kept tokens
+        (a verify row emits up to 1 + k)."""
         outputs = []
+        eos = self.eos_token_ids
         for res in results:
             req = res.request
             if res.num_accepted is not None:
                 req.num_drafted += res.num_drafted
                 req.num_accepted += res.num_accepted
             new: list[int] = []
+            stops = req.detokenizer.stop
             for i, token in enumerate(res.tokens):
                 req.token_ids.append(token)
                 new.append(token)
                 if res.logprobs is not None:
                     req.logprobs.append(res.logprobs[i])
-                stop_string = req.detokenizer.add([token]) if token not in self.eos_token_ids else None
+                stop_string = req.detokenizer.add([token]) if stops and token not in eos else None
                 reason = self._finish_reason(req, token, stop_string)
                 if req.grammar is not None and req.grammar.accept([token]) and reason is None:
                     reason = "stop"  # the grammar has terminated
                 if reason is not None:
                     self._finish(req, reason)
                     break
+            if not stops:
+                req.detokenizer.add_many([token for token in new if token not in eos])
             if not req.finished and res.num_accepted is not None:
                 self.kv.trim(req.request_id, len(req.token_ids))  # pages past the accepted length
             outputs.append(self._output(req, new))

@@ -114,3 +114,26 @@ def test_add_many_gives_the_text_of_adding_token_by_token(tokenizer, seed):
 def test_add_many_refuses_stop_strings(tokenizer):
     with pytest.raises(ValueError, match="stop string"):
         IncrementalDetokenizer(tokenizer, [], ("x",)).add_many([5])
+
+
+def test_engine_text_of_verify_steps_is_the_decode_of_their_tokens(v3_dir, tokenizer):
+    """A verify step commits several tokens of a row at once, decoded in one go where no stop string is
+    set: the streamed deltas and the final text are the tokenizer's decode of the tokens, and the same
+    as without speculation (n-gram drafts on a repetitive prompt, so steps accept several)."""
+    prompt = "a b c d a b c d a b c d a b c d a b"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    texts = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        engine = Engine(str(v3_dir), device="cpu", page_size=4, speculative=spec)
+        engine.add_request("r", prompt, params)
+        deltas, counts, out = [], [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                deltas.append(out.new_text)
+                counts.append(len(out.new_token_ids))
+        assert out.finished and "".join(deltas) == out.text
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        texts[spec is None] = out.text
+        if spec is not None:
+            assert max(counts) > 1  # some step committed several tokens
+    assert texts[True] == texts[False]
