@@ -62,7 +62,7 @@ import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -371,6 +371,13 @@ class CompiledModel:
         return sum(max(r.compiles + r.loaded - 1, 0) for r in self.records.values())
 
 
+def _inference_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as an inference tensor under inference mode: a view of itself made in that mode is one."""
+    if torch.is_inference_mode_enabled() and not tensor.is_inference():
+        return tensor.view(tensor.dtype)
+    return tensor
+
+
 class CompiledDrafter:
     """A model drafter's pass (``forward(batch, input_ids, hidden)``, engine/spec/drafters.py) compiled
     once for DECODE steps: the first pass over a verify step's 1 + k tokens per row and each q_len-1
@@ -390,6 +397,14 @@ class CompiledDrafter:
         if batch.num_extends:
             raise ValueError(f"the compiled drafter runs decode-only steps; this one has {batch.num_extends} "
                              "prefill rows")
+        # Dynamo guards a tensor's dispatch keys, and under inference mode (where the engine drafts) a
+        # first pass fed views of the graph buffers (ordinary tensors) differs there from a draft step
+        # fed tensors made in that mode (inference tensors): each would compile its own graph. Every
+        # input goes in as an inference tensor (a view of itself, no copy).
+        input_ids, hidden = _inference_alias(input_ids), _inference_alias(hidden)
+        batch = replace(batch, positions=_inference_alias(batch.positions),
+                        slot_mapping=_inference_alias(batch.slot_mapping),
+                        page_table=_inference_alias(batch.page_table))
         for tensor in (input_ids, batch.positions, hidden, batch.slot_mapping, batch.page_table):
             torch._dynamo.mark_dynamic(tensor, 0)
         with symbolic_sizes():

@@ -359,11 +359,12 @@ def _later_draft_steps(positions: torch.Tensor, page_table: torch.Tensor, page_s
     steps = offsets.shape[0] - 1
     if steps == 0:
         return
-    ahead = positions[None, :] + offsets  # [k, D]: row s - 1 holds step s's positions, row s its lengths
+    rows = positions.shape[0]
+    # [k, D]: row s - 1 holds step s's positions, row s its lengths
+    ahead = torch.add(positions[None, :], offsets, out=_past_offset_one(steps + 1, rows, positions))
     lengths = ahead.to(torch.int32)
     pages = page_table.gather(1, (ahead[:steps] // page_size).t()).t()  # [k - 1, D]
-    slots = (pages * page_size + ahead[:steps] % page_size).contiguous()  # [k - 1, D]
-    rows = positions.shape[0]
+    slots = torch.add(pages * page_size, ahead[:steps] % page_size, out=_past_offset_one(steps, rows, positions))
     qo_indptr = torch.arange(rows + 1, dtype=torch.int32, device=positions.device)
     gather_ids = qo_indptr[:rows].long()
     for s in range(steps):
@@ -371,3 +372,11 @@ def _later_draft_steps(positions: torch.Tensor, page_table: torch.Tensor, page_s
                            input_ids=drafts[-1], positions=ahead[s], slot_mapping=slots[s], seq_lens=lengths[s + 1],
                            prefix_lens=lengths[s], qo_indptr=qo_indptr, page_table=page_table,
                            gather_ids=gather_ids, seq_lens_cpu=[], prefix_lens_cpu=[])
+
+
+def _past_offset_one(n: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty [n, rows] tensor of ``like``'s dtype and device whose rows all start at storage offset 2
+    or more. The compiled drafter's first pass reads positions and slots from views far into the graph
+    buffers; dynamo specializes a storage offset of 0 or 1, so a draft step whose row sat at 0 (or, with
+    one row, at 1) would compile the drafter a second time."""
+    return like.new_empty(2 + n * rows)[2:].view(n, rows)

@@ -16,6 +16,7 @@ from encore.engine import Engine
 from encore.engine.spec.speculator import _later_draft_steps
 from encore.graphs.compiler import CompiledDrafter, CompiledModel
 from encore.graphs.keys import GraphKey
+from encore.graphs.padding import StepBuffers
 from encore.passes.pipeline import passes_for
 from checkpoints import EAGLE3_SHAPE, write_eagle3_checkpoint
 
@@ -90,6 +91,32 @@ def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, chec
     with pytest.raises(ValueError, match="decode-only steps; this one has 1 prefill rows"):
         compiled(prefill, ids, hidden)
 
+
+def test_compiled_drafter_compiles_once_for_a_graph_steps_first_pass_and_its_draft_steps():
+    """As a draft graph runs it (under inference mode): the first pass over a verify key's static step
+    (views of the graph buffers, positions and slots far into them) and the k - 1 draft steps built on the
+    device (tensors made in inference mode, a row of them at storage offset 0 or 1 unless kept past it),
+    at bs 4 and bs 1: one graph for all, each pass equal to the eager one."""
+    engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 3})
+    speculator, hidden_size = engine.speculator, engine.model_config.hidden_size
+    compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1)
+    buffers = StepBuffers(16, 4, 8, 4, torch.device("cpu"), full_page_table=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for bs in (4, 1):
+            static = buffers.fill(GraphKey(0, 4, bs, 4 * bs), None)
+            passes = [(static, static.input_ids, torch.randn(4 * bs, hidden_size, generator=gen))]
+            first = torch.arange(bs) * 4
+            drafts = [static.input_ids[first]]
+            for step in _later_draft_steps(static.positions[first], static.page_table, 4, torch.arange(1, 4)[:, None],
+                                           drafts):
+                passes.append((step, step.input_ids, torch.randn(bs, hidden_size, generator=gen)))
+                drafts.append(drafts[-1] + 1)
+            for batch, ids, hidden in passes:
+                want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
+                got = speculator._drafter_pass(compiled, batch, ids, hidden)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled.record.compiles == 1
 
 def test_a_loaded_graph_whose_guards_reject_a_call_falls_back_to_dynamo_as_a_recompile(tmp_path, caplog):
     """A precompiled family read back in a new CompiledModel serves the sizes it was compiled for;
