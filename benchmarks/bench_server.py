@@ -12,7 +12,7 @@ receiving 64 streams' messages is a bottleneck of its own, which real clients, o
 share. On a machine with few cores the processes compete for them, which is part of what this measures.
 
     python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 3]
-        [--client-processes 8] [--json out.json]
+        [--client-processes 8] [--listeners 8] [--json out.json]
 
 Each side runs the requests ``--trials`` times (one engine, one server) and reports each metric's
 median over its trials: one run of a tiny model lasts well under a second, and single runs scatter.
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from encore.models.tiny import default_model_dir
+from encore.server.config import ServerConfig
 
 WORDS = "def return class import while yield lambda async await value index count total result".split()
 
@@ -222,6 +223,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json")
+    ap.add_argument("--listeners", type=int, default=ServerConfig().listeners,
+                    help="encore serve --listeners (default: %(default)s)")
     ap.add_argument("--server-log", help="write the server's output (and its engine's warnings) here")
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
@@ -230,7 +233,8 @@ def main() -> None:
     peer = run_in_process(engine_kwargs, texts, args.max_tokens, args.trials)
     release_device_memory()  # the server's engine sizes its KV pool from the memory left free
     server, target = start_server(model, ["--device", args.device, "--dtype", args.dtype,
-                                          "--max-num-seqs", str(args.clients)], args.server_log)
+                                          "--max-num-seqs", str(args.clients), "--listeners", str(args.listeners)],
+                                 args.server_log)
     try:
         served = run_clients(target, texts, args.max_tokens, args.trials, args.client_processes)
     finally:
@@ -244,7 +248,8 @@ def main() -> None:
                 "ttft_ratio": ours["ttft_ms_mean"] / theirs["ttft_ms_mean"],
                 "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"]}
     print(f"{Path(model).name}: {args.clients} concurrent streams x {args.max_tokens} tokens from "
-          f"{args.client_processes} client process(es), {args.device}/{args.dtype}, median of {args.trials} trials")
+          f"{args.client_processes} client process(es), {args.listeners} listener(s), {args.device}/{args.dtype}, "
+          f"median of {args.trials} trials")
     print(f"{'path':26} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
     for r in rows:
         print(f"{r['path']:26} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
@@ -257,7 +262,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "clients": args.clients, "client_processes": args.client_processes,
-                       "max_tokens": args.max_tokens, "device": args.device, "dtype": args.dtype,
+                       "max_tokens": args.max_tokens, "listeners": args.listeners, "device": args.device, "dtype": args.dtype,
                        "trials": args.trials, "rows": rows, "overhead": overhead}, f, indent=2)
 
 

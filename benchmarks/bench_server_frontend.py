@@ -8,7 +8,7 @@ are counted too: a MIXED step is one whose arrivals join requests already decodi
 how many waves the burst of calls reached the engine in.
 
     python benchmarks/bench_server_frontend.py [--clients 64] [--max-tokens 64] [--step-ms 1.3]
-        [--trials 3] [--client-processes 8] [--json out.json]
+        [--trials 3] [--client-processes 8] [--listeners 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def bare_server(step_s: float) -> tuple[Callable, Callable]:
-    """(start, stop) coroutine factories of a grpc.aio server whose Generate makes one token every
-    ``step_s`` up to ``stopping.max_tokens`` and sends what is due each time it gets to run (as encore
-    merges the tokens of steps it could not send yet), the last message with finish reason and usage."""
+def bare_server(step_s: float, listeners: int) -> tuple[Callable, Callable]:
+    """(start, stop) coroutine factories of ``listeners`` grpc.aio servers on one port (as encore's) whose
+    Generate makes one token every ``step_s`` up to ``stopping.max_tokens`` and sends what is due each
+    time it gets to run (as encore merges the tokens of steps it could not send yet), the last message
+    with finish reason and usage."""
     servers = []
 
     async def generate(request: pb.GenerateRequest, context) -> pb.GenerateResponse:
@@ -67,24 +68,26 @@ def bare_server(step_s: float) -> tuple[Callable, Callable]:
                 yield response
 
     async def start() -> str:  # on the serving loop: a grpc.aio server belongs to the loop it is made on
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                generate, request_deserializer=pb.GenerateRequest.FromString,
-                response_serializer=pb.GenerateResponse.SerializeToString),
-        }),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
+        port = 0
+        for _ in range(listeners):
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    generate, request_deserializer=pb.GenerateRequest.FromString,
+                    response_serializer=pb.GenerateResponse.SerializeToString),
+            }),))
+            port = server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            servers.append(server)
         return f"127.0.0.1:{port}"
 
-    return start, lambda: servers[0].stop(0)
+    return start, lambda: asyncio.gather(*(server.stop(0) for server in servers))
 
 
-def encore_server(step_s: float, clients: int) -> tuple[Callable, Callable]:
+def encore_server(step_s: float, clients: int, listeners: int) -> tuple[Callable, Callable]:
     kwargs = {"model": str(default_model_dir()), "device": "cpu", "dtype": "float32", "max_num_seqs": clients,
               "num_kv_pages": 64, "max_model_len": 256, "step_s": step_s}
-    server = EncoreServer(ServerConfig(port=0), kwargs, PacedEngine)
+    server = EncoreServer(ServerConfig(port=0, listeners=listeners), kwargs, PacedEngine)
 
     async def start() -> str:
         await server.start()
@@ -114,13 +117,16 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=1.3)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--client-processes", type=int, default=8)
+    ap.add_argument("--listeners", type=int, default=ServerConfig().listeners,
+                    help="grpc.aio servers on the port, for both sides (default: encore's, %(default)s)")
     ap.add_argument("--json")
     args = ap.parse_args()
     step_s = args.step_ms / 1e3
-    rows = [measure("bare grpc.aio (floor)", bare_server(step_s), args, encore=False),
-            measure("encore server, paced engine", encore_server(step_s, args.clients), args, encore=True)]
+    rows = [measure("bare grpc.aio (floor)", bare_server(step_s, args.listeners), args, encore=False),
+            measure("encore server, paced engine", encore_server(step_s, args.clients, args.listeners), args,
+                    encore=True)]
     print(f"{args.clients} streams x {args.max_tokens} tokens, a token every {args.step_ms} ms, "
-          f"{args.client_processes} client processes, median of {args.trials} trials")
+          f"{args.client_processes} client processes, {args.listeners} listener(s), median of {args.trials} trials")
     print(f"{'path':30} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
     for r in rows:
         print(f"{r['path']:30} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
@@ -132,7 +138,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"clients": args.clients, "max_tokens": args.max_tokens, "step_ms": args.step_ms,
-                       "client_processes": args.client_processes, "trials": args.trials, "rows": rows,
+                       "client_processes": args.client_processes, "listeners": args.listeners, "trials": args.trials, "rows": rows,
                        "throughput_ratio": ratio}, f, indent=2)
 
 

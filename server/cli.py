@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
                        help="largest gRPC message accepted or sent (default: %(default)s)")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    serve.add_argument("--listeners", type=int, default=defaults.listeners,
+                       help="gRPC servers sharing the port, each taking in calls from its share of the client "
+                            "connections (default: %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                        help="seconds running streams may finish after SIGTERM/SIGINT (default: %(default)s)")
     _add_engine_args(serve)
@@ -115,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
                               api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                               max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-                              shutdown_grace_s=args.shutdown_grace)
+                              shutdown_grace_s=args.shutdown_grace, listeners=args.listeners)
     except ValueError as exc:
         print(f"encore serve: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _MIN_MESSAGE_BYTES = 1024
+_MAX_LISTENERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,10 @@ class ServerConfig:
     ``max_message_bytes``: the largest request or response message gRPC accepts.
     ``metrics_port``: serve Prometheus metrics over HTTP on ``host:metrics_port`` (None: off).
     ``shutdown_grace_s``: how long running streams may finish when the server stops.
+    ``listeners``: gRPC servers on the one port (SO_REUSEPORT; the kernel deals each client connection to
+    one of them), all on the one event loop. A grpc.aio server takes in its calls one at a time, each
+    after a round of the loop, which streaming keeps busy; several take a burst of calls from several
+    connections in parallel (the calls of one connection all reach the same one).
     """
 
     host: str = "127.0.0.1"
@@ -31,6 +36,7 @@ class ServerConfig:
     max_message_bytes: int = 4 << 20
     metrics_port: int | None = None
     shutdown_grace_s: float = 5.0
+    listeners: int = 8
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -53,6 +59,8 @@ class ServerConfig:
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < _MIN_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes must be an integer >= {_MIN_MESSAGE_BYTES}, "
                              f"got {self.max_message_bytes!r}")
+        if not isinstance(self.listeners, int) or not 1 <= self.listeners <= _MAX_LISTENERS:
+            raise ValueError(f"listeners must be an integer in [1, {_MAX_LISTENERS}], got {self.listeners!r}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
 
@@ -70,4 +78,5 @@ class ServerConfig:
             "max_queued_requests": str(self.max_queued_requests),
             "max_message_bytes": str(self.max_message_bytes),
             "metrics_port": "off" if self.metrics_port is None else str(self.metrics_port),
+            "listeners": str(self.listeners),
         }

@@ -84,7 +84,7 @@ class ServerMetrics:
     def observe_rejection(self, code_name: str) -> None:
         self.rejected[code_name] += 1
 
-    def render(self, stats: EngineStats | None, in_flight: int, engine_alive: bool) -> str:
+    def render(self, stats: EngineStats | None, in_flight: int, engine_alive: bool, listener_calls: list[int]) -> str:
         lines: list[str] = []
         for histogram in (self.ttft, self.tpot, self.queue_time, self.e2e):
             lines += histogram.render()
@@ -98,6 +98,9 @@ class ServerMetrics:
                          [({}, self.generation_tokens)])
         lines += _family("encore_requests_in_flight", "gauge", "Requests accepted by the server and not finished.",
                          [({}, in_flight)])
+        lines += _family("encore_listener_calls_total", "counter",
+                         "Calls each gRPC listener took in (health and reflection aside).",
+                         [({"listener": str(i)}, n) for i, n in enumerate(listener_calls)])
         lines += _family("encore_engine_alive", "gauge", "1 while the engine process runs.", [({}, int(engine_alive))])
         if stats is not None:
             lines += _engine_lines(stats)

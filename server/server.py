@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +45,8 @@ class EncoreServer:
         self.health = health.aio.HealthServicer()
         self.port: int | None = None  # bound, once listening
         self.metrics_port: int | None = None
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: list[grpc.aio.Server] = []
+        self._listener_calls = [_CallCounter() for _ in range(config.listeners)]
         self._metrics_server: asyncio.Server | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -55,31 +57,37 @@ class EncoreServer:
     async def start(self) -> None:
         """Listens (health NOT_SERVING until ``start_engine`` has finished)."""
         cfg = self.config
+        shared = cfg.listeners > 1
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            # gRPC sets SO_REUSEPORT by default on Linux: a second server would silently share the port.
-            ("grpc.so_reuseport", 0),
+            # gRPC sets SO_REUSEPORT by default on Linux; where only one listener binds, that would let a
+            # second server share the port silently (with several, _claim_port checks the port first).
+            ("grpc.so_reuseport", int(shared)),
         ]
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        server = grpc.aio.server(interceptors=interceptors, options=options)
-        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        await self._set_health(NOT_SERVING)
-        address = _address(cfg.host, cfg.port)
+        credentials = None
         if cfg.tls:
-            key_and_chain = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
-            credentials = grpc.ssl_server_credentials([key_and_chain])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
-        if not self.port:
-            raise RuntimeError(f"could not listen on {address}")
-        self.servicer.port = self.port
-        await server.start()
-        self._grpc = server
+            credentials = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
+                                                        Path(cfg.tls_cert).read_bytes())])
+        address = _address(cfg.host, _claim_port(cfg.host, cfg.port) if shared else cfg.port)
+        await self._set_health(NOT_SERVING)
+        servers = []
+        for counter in self._listener_calls:
+            server = grpc.aio.server(interceptors=interceptors, options=options)
+            server.add_generic_rpc_handlers((counter, method_handlers(self.servicer)))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server)
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+            if not port:
+                raise RuntimeError(f"could not listen on {address}")
+            servers.append(server)
+        self.port = self.servicer.port = port
+        for server in servers:
+            await server.start()
+        self._grpc = servers
         if cfg.metrics_port is not None:
             self._metrics_server = await start_metrics_server(cfg.host, cfg.metrics_port, self.render_metrics)
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
@@ -94,8 +102,7 @@ class EncoreServer:
     async def stop(self) -> None:
         """NOT_SERVING, then lets running streams finish for the grace period, then stops the engine."""
         await self._set_health(NOT_SERVING)
-        if self._grpc is not None:
-            await self._grpc.stop(self.config.shutdown_grace_s)
+        await asyncio.gather(*(server.stop(self.config.shutdown_grace_s) for server in self._grpc))
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
@@ -103,10 +110,11 @@ class EncoreServer:
         self.servicer.close()
 
     async def wait_for_termination(self) -> None:
-        await self._grpc.wait_for_termination()
+        await asyncio.gather(*(server.wait_for_termination() for server in self._grpc))
 
     def render_metrics(self) -> str:
-        return self.metrics.render(self.engine.stats, len(self.engine.streams), self.engine.ready)
+        return self.metrics.render(self.engine.stats, len(self.engine.streams), self.engine.ready,
+                                   [counter.calls for counter in self._listener_calls])
 
     def _engine_died(self, failure: str) -> None:
         task = asyncio.get_running_loop().create_task(self._set_health(NOT_SERVING))
@@ -116,6 +124,41 @@ class EncoreServer:
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+
+
+class _CallCounter(grpc.GenericRpcHandler):
+    """Counts the calls one listener takes in (those its registered health and reflection methods answer
+    aside), then leaves them to the next handler."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> None:
+        self.calls += 1
+
+
+def _claim_port(host: str, port: int) -> int:
+    """``port``, or a free port where it is 0, after checking that no socket holds it at ``host``: the
+    listeners bind with SO_REUSEPORT, which would otherwise share it with another server bound that way,
+    silently. Raises RuntimeError naming the address if it is taken or cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"could not listen on {_address(host, port)}: {exc}") from exc
+    probes = []
+    try:
+        for family, kind, proto, _, address in infos:
+            probe = socket.socket(family, kind, proto)
+            probes.append(probe)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: past TIME_WAIT
+            probe.bind((address[0], port, *address[2:]))
+            port = probe.getsockname()[1]
+    except OSError as exc:
+        raise RuntimeError(f"could not listen on {_address(host, port)}: {exc.strerror}") from exc
+    finally:
+        for probe in probes:
+            probe.close()
+    return port
 
 
 def _address(host: str, port: int) -> str:

@@ -11,6 +11,8 @@ from encore.server.config import ServerConfig
     (dict(host=""), "host must be a non-empty address"),
     (dict(port=-1), "port must be an integer in [0, 65535]"),
     (dict(metrics_port=65536), "metrics_port must be an integer in [0, 65535]"),
+    (dict(listeners=0), "listeners must be an integer in [1, 64], got 0"),
+    (dict(listeners=65), "listeners must be an integer in [1, 64], got 65"),
     (dict(tls_key="key.pem"), "TLS needs both tls_cert and tls_key"),
     (dict(tls_cert="missing.pem", tls_key="missing.pem"), "tls_cert 'missing.pem' is not a file"),
     (dict(api_key="  "), "api_key must be a non-empty string"),
