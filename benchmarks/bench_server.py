@@ -11,11 +11,13 @@ out round-robin, each trial started in all of them at once through a barrier): o
 receiving 64 streams' messages is a bottleneck of its own, which real clients, one per user, do not
 share. On a machine with few cores the processes compete for them, which is part of what this measures.
 
-    python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 3]
-        [--client-processes 8] [--listeners 8] [--json out.json]
+    python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 5]
+        [--client-processes 8] [--listeners 8] [--pin] [--json out.json]
 
-Each side runs the requests ``--trials`` times (one engine, one server) and reports each metric's
-median over its trials: one run of a tiny model lasts well under a second, and single runs scatter.
+Each side runs the requests ``--trials`` times (one engine, one server), the trials taking turns (the
+peer's first, then the server's first, ...) so that both sides see the machine in the same state, and
+reports each metric's median over its trials: one run of a tiny model lasts well under a second, single
+runs scatter, and on the GPU machines whole runs of one side moved by up to 1.6x between calls.
 
 Without --model it serves the embedded encore-tiny checkpoint.
 """
@@ -26,12 +28,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from encore.models.tiny import default_model_dir
@@ -53,38 +57,42 @@ def summarize(sends: list[float], firsts: list[float], ends: list[float], counts
             "throughput_tok_s": sum(counts) / wall, "wall_s": wall}
 
 
-def run_in_process(engine_kwargs: dict, texts: list[str], max_tokens: int, trials: int) -> list[tuple[dict, list]]:
-    """One engine, warmed up; ``trials`` timed runs of all requests, each (summary, tokens per request)."""
+def peer_engine(engine_kwargs: dict, texts: list[str]):
+    """The in-process peer: an Engine, warmed up, its start-up heap frozen as the server's engine's is."""
     from encore.engine import Engine, SamplingParams
     from encore.server.engine_worker import freeze_start_up_heap
 
     engine = Engine(**engine_kwargs)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(texts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    freeze_start_up_heap()  # as the server's engine process does after its warm-up
-    runs = []
-    for trial in range(trials):
-        before = engine.stats()
-        n = len(texts)
-        start = time.perf_counter()
-        sends = [0.0] * n
-        for i, text in enumerate(texts):
-            sends[i] = time.perf_counter()
-            engine.add_request(f"t{trial}-{i}", text, params)
-        firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = int(out.request_id.rsplit("-", 1)[1])
-                now = time.perf_counter()
-                if out.new_token_ids and not tokens[i]:
-                    firsts[i] = now
-                tokens[i].extend(out.new_token_ids)
-                if out.finished:
-                    ends[i] = now
-        wall = time.perf_counter() - start
-        runs.append(({**summarize(sends, firsts, ends, [len(t) for t in tokens], wall),
-                      "engine": step_counts(before, engine.stats())}, tokens))
-    return runs
+    freeze_start_up_heap()
+    return engine
+
+
+def peer_trial(engine, tag: str, texts: list[str], max_tokens: int) -> tuple[dict, list]:
+    """One timed run of all requests on the peer: (summary, tokens per request)."""
+    from encore.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats()
+    n = len(texts)
+    start = time.perf_counter()
+    sends = [0.0] * n
+    for i, text in enumerate(texts):
+        sends[i] = time.perf_counter()
+        engine.add_request(f"{tag}-{i}", text, params)
+    firsts, ends, tokens = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            now = time.perf_counter()
+            if out.new_token_ids and not tokens[i]:
+                firsts[i] = now
+            tokens[i].extend(out.new_token_ids)
+            if out.finished:
+                ends[i] = now
+    wall = time.perf_counter() - start
+    return ({**summarize(sends, firsts, ends, [len(t) for t in tokens], wall),
+             "engine": step_counts(before, engine.stats())}, tokens)
 
 
 def step_counts(before: dict, after: dict) -> dict:
@@ -96,9 +104,12 @@ def step_counts(before: dict, after: dict) -> dict:
 
 
 def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, processes: int,
-                encore: bool = True) -> list[tuple[dict, list]]:
+                encore: bool = True, before_each: Callable[[int], None] = lambda trial: None,
+                cpus: set[int] | None = None) -> list[tuple[dict, list]]:
     """``trials`` runs of all requests as concurrent streams from ``processes`` client processes, each
-    (summary, tokens per request); with the engine's step counts where the server is encore's."""
+    (summary, tokens per request); with the engine's step counts where the server is encore's.
+    ``before_each(trial)`` runs before each trial starts, while the clients wait; ``cpus``: the CPUs
+    the client processes may run on (None: any)."""
     from encore.server.client import Client
 
     context = multiprocessing.get_context("spawn")
@@ -108,13 +119,14 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
     for share in shares:
         ours, theirs = context.Pipe(duplex=False)
         worker = context.Process(target=client_process, args=(target, [texts[i] for i in share], max_tokens,
-                                                              trials, barrier, theirs))
+                                                              trials, barrier, theirs, cpus))
         worker.start()
         pipes.append(ours)
         workers.append(worker)
     runs = []
     with Client(target) as info_client:
-        for _ in range(trials):
+        for trial in range(trials):
+            before_each(trial)
             before = server_counts(info_client.server_info()) if encore else None
             barrier.wait()
             n = len(texts)
@@ -133,9 +145,12 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
     return runs
 
 
-def client_process(target: str, texts: list[str], max_tokens: int, trials: int, barrier, results) -> None:
+def client_process(target: str, texts: list[str], max_tokens: int, trials: int, barrier, results,
+                   cpus: set[int] | None) -> None:
     """One client process: per trial, waits at ``barrier``, then streams all of ``texts`` at once and
     sends (call times, first-token times, end times, tokens) back on ``results``."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     asyncio.run(stream_trials(target, texts, max_tokens, trials, barrier, results))
 
 
@@ -173,16 +188,6 @@ def server_counts(info) -> dict:
             "eager_steps": info.eager_steps, "preemptions": info.preemptions, "kernel_compiles": info.kernel_compiles}
 
 
-def release_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def start_server(model: str, engine_args: list[str], log_path: str | None) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", model, "--port", "0", *engine_args]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -197,6 +202,23 @@ def start_server(model: str, engine_args: list[str], log_path: str | None) -> tu
             threading.Thread(target=drain, args=(server.stdout, lines, log_path), daemon=True).start()
             return server, target
     raise RuntimeError(f"encore serve exited with {server.wait()}; its last output:\n{''.join(lines[-30:])}")
+
+
+def cpu_sets(engine_cpus: int, server_cpus: int) -> tuple[set[int], set[int], set[int]]:
+    """This process's CPUs dealt out: (the engines', the server process's, the clients')."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < engine_cpus + server_cpus + 1:
+        raise SystemExit(f"--pin needs more than {engine_cpus + server_cpus} CPUs, this process has {len(cpus)}")
+    return set(cpus[:engine_cpus]), set(cpus[engine_cpus:engine_cpus + server_cpus]), set(cpus[engine_cpus + server_cpus:])
+
+
+def pin(pid: int, cpus: set[int], children: set[int] | None = None) -> None:
+    """Every thread of process ``pid`` to ``cpus``, and every process below it to ``children`` (or ``cpus``)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                pin(int(child), cpus if children is None else children)
 
 
 def drain(stream, head: list[str], log_path: str | None) -> None:
@@ -217,7 +239,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--trials", type=int, default=3, help="timed runs per side; the tables show medians")
+    ap.add_argument("--trials", type=int, default=5, help="timed runs per side; the tables show medians")
     ap.add_argument("--client-processes", type=int, default=8, help="processes the client streams are dealt to")
     ap.add_argument("--prompt-words", type=int, default=16)
     ap.add_argument("--device", default="cpu")
@@ -225,18 +247,33 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--listeners", type=int, default=ServerConfig().listeners,
                     help="encore serve --listeners (default: %(default)s)")
+    ap.add_argument("--pin", action="store_true",
+                    help="run the peer and the server's engine process on the same 2 CPUs, the server process on "
+                         "the next 2, the client processes on the rest (clients off the engine's CPUs, as when "
+                         "they run on other machines)")
     ap.add_argument("--server-log", help="write the server's output (and its engine's warnings) here")
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
     texts = prompts(args.clients, args.prompt_words)
     engine_kwargs = {"model": model, "device": args.device, "dtype": args.dtype, "max_num_seqs": args.clients}
-    peer = run_in_process(engine_kwargs, texts, args.max_tokens, args.trials)
-    release_device_memory()  # the server's engine sizes its KV pool from the memory left free
+    engine_cpus, server_cpus, client_cpus = cpu_sets(2, 2) if args.pin else (None, None, None)
+    # The server first: its engine sizes its KV pool from the memory free when it starts, and the peer's
+    # (started next) from what is left. Then each trial runs on the peer and right after on the server.
     server, target = start_server(model, ["--device", args.device, "--dtype", args.dtype,
                                           "--max-num-seqs", str(args.clients), "--listeners", str(args.listeners)],
                                  args.server_log)
     try:
-        served = run_clients(target, texts, args.max_tokens, args.trials, args.client_processes)
+        if args.pin:
+            pin(os.getpid(), engine_cpus)  # this process (the peer's) and all below it, then the server apart
+            pin(server.pid, server_cpus, children=engine_cpus)
+        engine = peer_engine(engine_kwargs, texts)
+        peer = []
+
+        def peer_turn(trial: int) -> None:
+            peer.append(peer_trial(engine, f"t{trial}", texts, args.max_tokens))
+
+        served = run_clients(target, texts, args.max_tokens, args.trials, args.client_processes,
+                             before_each=peer_turn, cpus=client_cpus)
     finally:
         server.terminate()
         server.wait(30)
@@ -249,7 +286,8 @@ def main() -> None:
                 "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"]}
     print(f"{Path(model).name}: {args.clients} concurrent streams x {args.max_tokens} tokens from "
           f"{args.client_processes} client process(es), {args.listeners} listener(s), {args.device}/{args.dtype}, "
-          f"median of {args.trials} trials")
+          f"median of {args.trials} trials" + (f"; CPUs: engines {sorted(engine_cpus)}, server {sorted(server_cpus)}, "
+                                               f"clients {sorted(client_cpus)}" if args.pin else ""))
     print(f"{'path':26} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
     for r in rows:
         print(f"{r['path']:26} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
@@ -262,7 +300,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "clients": args.clients, "client_processes": args.client_processes,
-                       "max_tokens": args.max_tokens, "listeners": args.listeners, "device": args.device, "dtype": args.dtype,
+                       "max_tokens": args.max_tokens, "listeners": args.listeners, "pinned": args.pin, "device": args.device, "dtype": args.dtype,
                        "trials": args.trials, "rows": rows, "overhead": overhead}, f, indent=2)
 
 

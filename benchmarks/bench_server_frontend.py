@@ -81,7 +81,10 @@ def bare_server(step_s: float, listeners: int) -> tuple[Callable, Callable]:
             servers.append(server)
         return f"127.0.0.1:{port}"
 
-    return start, lambda: asyncio.gather(*(server.stop(0) for server in servers))
+    async def stop() -> None:
+        await asyncio.gather(*(server.stop(0) for server in servers))
+
+    return start, stop
 
 
 def encore_server(step_s: float, clients: int, listeners: int) -> tuple[Callable, Callable]:
