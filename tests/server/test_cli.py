@@ -35,6 +35,7 @@ def test_generate_prints_the_engines_continuation(v3_dir, reference, capsys):
     (["serve", "--model", "m", "--port", "70000"], "port must be an integer in [0, 65535]"),
     (["serve", "--model", "m", "--shutdown-grace", "-1"], "shutdown_grace_s must be >= 0"),
     (["serve", "--model", "m", "--max-queued-requests", "-1"], "max_queued_requests must be an integer >= 0"),
+    (["serve", "--model", "m", "--listeners", "0"], "listeners must be an integer in [1, 64], got 0"),
     (["generate", "--model", "m", "--temperature", "-1", "hi"], "temperature must be >= 0"),
 ])
 def test_bad_options_exit_2_with_the_reason(argv, message, capsys):
@@ -58,7 +59,8 @@ def test_serve_over_tls_with_api_key_and_metrics_then_stop_on_sigterm(v3_dir, tl
     env = os.environ | {"ENCORE_API_KEY": "cli-key"}
     command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", str(v3_dir), "--port", "0",
                "--metrics-port", "0", "--tls-cert", str(cert), "--tls-key", str(key), "--device", "cpu",
-               "--num-kv-pages", "64", "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace", "2"]
+               "--num-kv-pages", "64", "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace", "2",
+               "--listeners", "3"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
@@ -82,7 +84,9 @@ def test_serve_over_tls_with_api_key_and_metrics_then_stop_on_sigterm(v3_dir, tl
             done = client.generate([5, 6, 7], max_tokens=3, ignore_eos=True)
             assert done.usage.completion_tokens == 3
         with urllib.request.urlopen(metrics_url, timeout=5) as reply:
-            assert "encore_time_to_first_token_seconds_count 1" in reply.read().decode()
+            text = reply.read().decode()
+        assert "encore_time_to_first_token_seconds_count 1" in text
+        assert re.findall(r'encore_listener_calls_total\{listener="(\d+)"\}', text) == ["0", "1", "2"]
         process.send_signal(signal.SIGTERM)
         wait_for("shutting down")
         assert process.wait(timeout=30) == 0
