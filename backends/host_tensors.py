@@ -29,20 +29,31 @@ def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
+def put(host: memoryview, offset: int, values: Sequence, dtype: torch.dtype) -> None:
+    """Writes ``values`` packed as ``dtype`` into the bytes ``host`` at byte ``offset``."""
+    packed = array.array(_TYPECODES[dtype], values)
+    host[offset:offset + len(packed) * packed.itemsize] = memoryview(packed).cast("B")
+
+
+def view_at(typed: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """``count`` elements of the 1-D tensor ``typed`` from byte ``offset`` on (a multiple of its
+    element size)."""
+    start = offset // typed.element_size()
+    return typed[start:start + count]
+
+
 def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
     """1-D tensors on ``device`` of each (values, dtype) in ``parts``, in one host-to-device copy: the
     parts are packed back to back (each at an 8-byte-aligned offset) into one host buffer, and the
     device copy of it is cut into views of the parts' dtypes."""
-    packed = [array.array(_TYPECODES[dtype], values) for values, dtype in parts]
     offsets, total = [], 0
-    for a in packed:
+    for values, dtype in parts:
         offsets.append(total)
-        total += -(-len(a) * a.itemsize // _ALIGN) * _ALIGN
+        total += -(-len(values) * dtype.itemsize // _ALIGN) * _ALIGN
     host = bytearray(max(total, _ALIGN))
     view = memoryview(host)
-    for a, offset in zip(packed, offsets):
-        view[offset:offset + len(a) * a.itemsize] = memoryview(a).cast("B")
+    for (values, dtype), offset in zip(parts, offsets):
+        put(view, offset, values, dtype)
     on_device = torch.frombuffer(host, dtype=torch.uint8).to(device, non_blocking=True)
     typed = {dtype: on_device.view(dtype) for _, dtype in parts}
-    return [typed[dtype][offset // a.itemsize:offset // a.itemsize + len(a)]
-            for a, offset, (_, dtype) in zip(packed, offsets, parts)]
+    return [view_at(typed[dtype], offset, len(values)) for (values, dtype), offset in zip(parts, offsets)]

@@ -26,10 +26,9 @@ padded query sees at least one finite key, so no NaN can reach the page. Padded 
 
 from __future__ import annotations
 
-import array
-
 import torch
 
+from encore.backends.host_tensors import put, view_at
 from encore.backends.metadata import ForwardBatch
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.graphs.keys import GraphKey
@@ -71,18 +70,12 @@ class StepBuffers:
         # runs) would be an inference tensor, whose dispatch keys a compiled graph's guards tell apart
         # from those of a step built by ``pack_batch``; slices of these views are not.
         self._typed = {dtype: self._data.view(dtype) for dtype in (torch.int64, torch.int32)}
-        self._host = bytearray(size)
-        self._host_bytes = memoryview(self._host)
-        self._host_tensor = torch.frombuffer(self._host, dtype=torch.uint8)
+        host = bytearray(size)
+        self._host_bytes = memoryview(host)
+        self._host_tensor = torch.frombuffer(host, dtype=torch.uint8)
         self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
         self._views: dict[GraphKey, tuple[torch.Tensor, ...]] = {}  # a key's fields
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
-
-    def _field(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """A view of ``count`` elements of ``dtype`` at byte ``offset`` of the device buffer."""
-        typed = self._typed[dtype]
-        start = offset // typed.element_size()
-        return typed[start:start + count]
 
     def fill(self, key: GraphKey, batch: ForwardBatch | None) -> ForwardBatch:
         """Copies ``batch`` (None: an all-padding step, for warm-up and capture) into the buffers,
@@ -114,11 +107,11 @@ class StepBuffers:
                 + list(range(dec_end + q, T + 1, q)))
         # Each field at its offset in the host buffer; what lies between them is never read.
         host, (ids_at, ints_at, positions_at, slots_at) = self._host_bytes, self._at
-        _put(host, ids_at, "q", ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end))
-        _put(host, ints_at, "i", ints)
-        _put(host, positions_at, "q", positions[:n] + [0] * bucket + positions[n:] + pad_positions)
-        _put(host, slots_at, "q",
-             slots[:n] + [dummy] * bucket + slots[n:] + [dummy + p % self.page_size for p in pad_positions])
+        put(host, ids_at, ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end), torch.int64)
+        put(host, ints_at, ints, torch.int32)
+        put(host, positions_at, positions[:n] + [0] * bucket + positions[n:] + pad_positions, torch.int64)
+        pad_slots = [dummy + p % self.page_size for p in pad_positions]
+        put(host, slots_at, slots[:n] + [dummy] * bucket + slots[n:] + pad_slots, torch.int64)
         end = slots_at + 8 * T
         self._data[:end].copy_(self._host_tensor[:end], non_blocking=True)
         table = self.page_table
@@ -132,11 +125,11 @@ class StepBuffers:
                 table[E:E + D, :used].copy_(batch.page_table[e:])
         views = self._views.get(key)
         if views is None:
-            ids_at, ints_at, positions_at, slots_at = self._at
+            longs, ints32 = self._typed[torch.int64], self._typed[torch.int32]
             views = self._views[key] = (
-                self._field(ids_at, T, torch.int64), self._field(positions_at, T, torch.int64),
-                self._field(slots_at, T, torch.int64), self._field(ints_at, bs, torch.int32),
-                self._field(ints_at + 4 * bs, bs, torch.int32), self._field(ints_at + 8 * bs, bs + 1, torch.int32))
+                view_at(longs, ids_at, T), view_at(longs, positions_at, T), view_at(longs, slots_at, T),
+                view_at(ints32, ints_at, bs), view_at(ints32, ints_at + 4 * bs, bs),
+                view_at(ints32, ints_at + 8 * bs, bs + 1))
         input_ids, positions_d, slots_d, seq_lens, prefix_lens, qo_indptr = views
         return ForwardBatch(
             num_extends=E, q_len_per_req=q, bs=bs, num_tokens=T, page_size=self.page_size,
@@ -145,12 +138,6 @@ class StepBuffers:
             gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else self._no_tokens,
             seq_lens_cpu=ints[:bs], prefix_lens_cpu=ints[bs:2 * bs],
         )
-
-
-def _put(host: memoryview, offset: int, typecode: str, values: list[int]) -> None:
-    """Writes ``values`` packed as ``typecode`` into the bytes ``host`` at ``offset``."""
-    packed = array.array(typecode, values)
-    host[offset:offset + len(packed) * packed.itemsize] = memoryview(packed).cast("B")
 
 
 def padded_index(batch: ForwardBatch, key: GraphKey, token_ids: torch.Tensor) -> torch.Tensor:
