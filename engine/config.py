@@ -23,6 +23,8 @@ class EngineConfig:
     the KV cache when ``num_kv_pages`` is None; on CPU the pool is sized to hold ``max_num_seqs``
     full-length sequences, capped by ``cpu_kv_cache_bytes``.
     ``enable_mixed_batch``: False runs prefill-only and decode-only steps (a baseline).
+    ``enable_prefix_caching``: a request starts from the KV pages earlier requests computed for the
+    same leading tokens (whole pages; engine/kv_cache.py), kept until their memory is needed.
     ``attention_backend``: "auto" (flashinfer where its MLA kernels take the model, else triton on
     CUDA, torch on the CPU), "torch", "triton" or "flashinfer" (backends/selection.py).
 
@@ -66,6 +68,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85
     cpu_kv_cache_bytes: int = 2 << 30
     enable_mixed_batch: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
     compile: bool | None = None
     cuda_graphs: bool | None = None
@@ -98,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_pages must be >= 2 (page 0 is reserved), got {self.num_kv_pages!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        for name in ("enable_mixed_batch", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("compile", "cuda_graphs"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None (device default), got {getattr(self, name)!r}")

@@ -84,7 +84,11 @@ class Engine:
         warm_steps = self.runner.warm_up_kernels(self.config)  # and every kernel an eager step can launch
         if warm_steps:
             log.info("kernel warm-up: %d eager steps in %.1fs", warm_steps, time.perf_counter() - start)
-        self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size)
+        spec = self.config.speculative
+        self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
+        # A model drafter's KV at a page's last slot depends on the token after the page (kv_cache).
+        self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size, self.config.enable_prefix_caching,
+                                 key_next_token=self.speculator is not None and self.speculator.model_drafter is not None)
         capacity = self.kv.num_total_pages * self.config.page_size
         if wanted_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", wanted_len, capacity)
@@ -92,8 +96,6 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.chunked_prefill_size,
                                    self.config.max_num_seqs, self.config.enable_mixed_batch)
         self.eos_token_ids = self._eos_ids(model_dir)
-        spec = self.config.speculative
-        self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompilerPool | None = None
         self._aborted: list[Request] = []
@@ -200,6 +202,7 @@ class Engine:
         for res in results[len(results) - len(step.decodes):]:
             res.request.num_computed += 1 + (res.num_accepted or 0)
         outputs.extend(self._commit(results))
+        self.scheduler.cache_pages([req for req, _ in step.extends] + step.decodes)
         return outputs
 
     def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:
@@ -284,6 +287,7 @@ class Engine:
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             num_draft_tokens=req.num_drafted,
             num_accepted_tokens=req.num_accepted,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     # ---- batch use ------------------------------------------------------------------------
@@ -319,6 +323,9 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self._preemptions,
+            "kv_pages_cached": self.kv.num_cached_pages,
+            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             **self.runner.graph_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -1,18 +1,41 @@
-"""Pages of the latent KV cache: a reference-counted page pool and the per-request page tables.
+"""Pages of the latent KV cache: a reference-counted page pool with a prefix cache, and the
+per-request page tables.
 
 Page 0 is never handed out: padded rows of a captured graph point at it, so whatever they write
 lands there and is never read by a real request.
+
+Prefix caching. A full page whose KV a request has computed is registered under its content: the
+node of the page before it (0 for a row's first page) and its tokens. A new request looks up its
+prompt page by page along that chain and takes the pages it finds instead of computing them; its
+first step is then a prefill row with a cached prefix, as a prompt's later chunk is. A page's key
+also holds the token after the page when a model drafter runs (``key_next_token``): the drafter's KV
+at a position is computed from the next token (MTP and EAGLE-3 feed the tokens shifted by one), so
+the page's last slot is only right for a request that continues with the same token. Keys are the
+tokens themselves, not a hash of them, so two different prefixes never share a page.
+
+Registered pages are never written again: a request writes only at positions it has not computed,
+and it shares only pages entirely below those (a request always computes at least its last prompt
+token, whose logits it samples from). A page whose last reference goes is kept, idle, with its KV
+and its key; idle pages are handed out (and dropped from the index) least recently released first,
+after the free pages, so the cache only ever uses memory nothing else asks for. A request's pages
+are released last page first: a chain's deeper pages go before the pages other prompts share.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 DUMMY_PAGE = 0
+ROOT = 0  # the node before a row's first page
+
+PageKey = tuple[int, tuple[int, ...]]  # (node of the page before, the page's tokens [+ the next token])
 
 
 class PagePool:
-    """Reference-counted pages ``1 .. num_pages - 1``; a page returns to the free list at refcount 0."""
+    """Reference-counted pages ``1 .. num_pages - 1``. A page at refcount 0 goes back to the free
+    list, or, if it is registered in the prefix index, stays there idle until it is handed out again."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
@@ -20,20 +43,37 @@ class PagePool:
         self.num_pages = num_pages
         self.refcount = [0] * num_pages
         self.free_pages = list(range(num_pages - 1, DUMMY_PAGE, -1))  # pop() hands out low ids first
+        self.idle: dict[int, None] = {}  # registered pages at refcount 0, least recently released first
+        self.index: dict[PageKey, int] = {}  # registered page by key
+        self.keys: dict[int, PageKey] = {}  # registered page -> its key
+        self.nodes: dict[int, int] = {}  # registered page -> its node id (the key of the pages after it)
+        self._node_ids = itertools.count(ROOT + 1)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        """Pages ``alloc`` can hand out: free, or idle in the prefix cache."""
+        return len(self.free_pages) + len(self.idle)
 
     @property
     def num_usable(self) -> int:
         return self.num_pages - 1
 
+    @property
+    def num_cached(self) -> int:
+        """Registered pages, in use or idle."""
+        return len(self.keys)
+
     def alloc(self, n: int) -> list[int] | None:
-        """n fresh pages with refcount 1, or None (and nothing taken) if fewer are free."""
-        if n > len(self.free_pages):
+        """n pages with refcount 1 and no key (free pages first, then the least recently released
+        idle ones, dropped from the index), or None (and nothing taken) if fewer are free."""
+        if n > self.num_free:
             return None
-        pages = [self.free_pages.pop() for _ in range(n)]
+        pages = [self.free_pages.pop() for _ in range(min(n, len(self.free_pages)))]
+        while len(pages) < n:
+            page = next(iter(self.idle))
+            del self.idle[page]
+            self._unregister(page)
+            pages.append(page)
         for p in pages:
             self.refcount[p] = 1
         return pages
@@ -50,19 +90,57 @@ class PagePool:
                 raise RuntimeError(f"release of page {p}, which is not allocated")
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
-                self.free_pages.append(p)
+                if p in self.keys:
+                    self.idle[p] = None
+                else:
+                    self.free_pages.append(p)
+
+    def register(self, page: int, key: PageKey) -> int:
+        """Registers an allocated page under ``key``; returns the node id of the page the index holds
+        for ``key`` (this one, or an earlier one with the same content, which stays)."""
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"register of page {page}, which is not allocated")
+        held = self.index.get(key)
+        if held is not None:
+            return self.nodes[held]
+        if page in self.keys:
+            raise RuntimeError(f"page {page} is registered already, under another key")
+        self.index[key] = page
+        self.keys[page] = key
+        self.nodes[page] = node = next(self._node_ids)
+        return node
+
+    def take(self, key: PageKey) -> tuple[int, int] | None:
+        """(page, node id) registered under ``key``, with a reference taken for the caller; None if none."""
+        page = self.index.get(key)
+        if page is None:
+            return None
+        if self.refcount[page] == 0:
+            del self.idle[page]
+        self.refcount[page] += 1
+        return page, self.nodes[page]
+
+    def _unregister(self, page: int) -> None:
+        del self.index[self.keys.pop(page)]
+        del self.nodes[page]
 
 
 class KVCacheManager:
     """Which pages each request owns. Capacity is reserved for every token a step may write
-    (a decode row with k draft tokens needs seq_len + 1 + k), all or nothing."""
+    (a decode row with k draft tokens needs seq_len + 1 + k), all or nothing. With
+    ``prefix_caching`` a request's full computed pages are registered as it goes (``cache_pages``)
+    and new requests start from them (``match_prefix``); see the module docstring."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False,
+                 key_next_token: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         self.tables: dict[str, list[int]] = {}
+        self.prefix_caching = prefix_caching
+        self._extra = 1 if key_next_token else 0  # tokens past a page its key holds
+        self._chains: dict[str, tuple[int, int]] = {}  # request id -> (pages registered, node of the last)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -85,6 +163,39 @@ class KVCacheManager:
         table.extend(pages)
         return True
 
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Gives a request that owns no pages yet the cached pages that hold the start of ``token_ids``;
+        returns how many tokens they hold (whole pages, always fewer than ``token_ids``)."""
+        if not self.prefix_caching or request_id in self.tables:
+            return 0
+        ps, table, node = self.page_size, [], ROOT
+        while (len(table) + 1) * ps < len(token_ids):  # a page, and the token after it, in the prompt
+            start = len(table) * ps
+            found = self.pool.take((node, tuple(token_ids[start:start + ps + self._extra])))
+            if found is None:
+                break
+            page, node = found
+            table.append(page)
+        if table:
+            self.tables[request_id] = table
+            self._chains[request_id] = (len(table), node)
+        return len(table) * ps
+
+    def cache_pages(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Registers the request's pages that are full of computed KV (``num_computed`` tokens of
+        ``token_ids``, the tokens committed so far) and not registered yet."""
+        if not self.prefix_caching:
+            return
+        ps = self.page_size
+        full = min(num_computed, len(token_ids) - self._extra) // ps
+        done, node = self._chains.get(request_id, (0, ROOT))
+        if full <= done:
+            return
+        table = self.tables[request_id]
+        for i in range(done, full):
+            node = self.pool.register(table[i], (node, tuple(token_ids[i * ps:(i + 1) * ps + self._extra])))
+        self._chains[request_id] = (full, node)
+
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Releases the request's pages beyond those that hold ``num_tokens`` tokens."""
         table = self.tables.get(request_id)
@@ -92,13 +203,15 @@ class KVCacheManager:
             return
         keep = self.pages_for(num_tokens)
         if len(table) > keep:
-            self.pool.release(table[keep:])
+            self.pool.release(table[keep:][::-1])
             del table[keep:]
 
     def free(self, request_id: str) -> None:
+        """Releases all the request's pages, the last first (module docstring)."""
+        self._chains.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table:
-            self.pool.release(table)
+            self.pool.release(table[::-1])
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
@@ -110,6 +223,10 @@ class KVCacheManager:
     @property
     def num_total_pages(self) -> int:
         return self.pool.num_usable
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.pool.num_cached
 
 
 def allocate_kv_caches(num_layers: int, num_pages: int, page_size: int, latent_dim: int, dtype: torch.dtype,

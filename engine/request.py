@@ -43,6 +43,7 @@ class Request:
     num_accepted: int = 0
     grammar: RequestGrammar | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held when it was first admitted
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -95,6 +96,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_draft_tokens: int = 0  # speculative tokens drafted for this request so far
     num_accepted_tokens: int = 0  # of which the target accepted
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (Request.num_cached_tokens)
 
     @property
     def token_ids(self) -> list[int]:

@@ -27,6 +27,9 @@ class ScheduledStep:
 class Scheduler:
     """FCFS with chunked prefill and preemption by recompute.
 
+    A request admitted from the queue starts from the pages the prefix cache holds for its tokens
+    (``KVCacheManager.match_prefix``): its first chunk begins past them.
+
     Running decode rows claim the budget first; a decode row whose pages cannot be reserved
     preempts the most recently admitted running request (its pages are freed and it goes back to
     the front of the queue to recompute), or itself if it is the last one. The rest of the budget
@@ -45,6 +48,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lookahead = 0
+        self.prefix_query_tokens = 0  # tokens of admitted requests (prompt, and output after a preemption)
+        self.prefix_hit_tokens = 0  # of which the prefix cache held
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,6 +60,17 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._release(req)
+
+    def cache_pages(self, reqs: list[Request]) -> None:
+        """Registers the running requests' newly filled pages in the prefix cache (after a step)."""
+        for req in reqs:
+            if not req.finished:
+                self.kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
+
+    def _release(self, req: Request) -> None:
+        """Frees the request's pages, registering first those it filled (they outlive it, idle)."""
+        self.kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
         self.kv.free(req.request_id)
 
     def has_work(self) -> bool:
@@ -114,9 +130,17 @@ class Scheduler:
                 return
             if not req.ready:
                 continue  # a grammar still compiling holds back only its own request
+            cached = self.kv.match_prefix(req.request_id, req.token_ids)
+            req.num_computed = cached
             n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
             if not self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
+                self.kv.free(req.request_id)  # the cached pages too: a waiting request holds none
+                req.num_computed = 0
                 return
+            self.prefix_query_tokens += len(req.token_ids)
+            self.prefix_hit_tokens += cached
+            if not req.num_preemptions:
+                req.num_cached_tokens = cached
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -129,7 +153,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        self._release(req)
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

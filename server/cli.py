@@ -87,6 +87,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=int)
     group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,
                        help="run prefill-only and decode-only steps")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                       help="compute every prompt in full (default: start from KV pages cached for the same "
+                            "leading tokens)")
     group.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                        help="run the model eagerly (default: compiled on CUDA)")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
@@ -98,8 +101,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
-                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch", "compile",
-                "cuda_graphs")
+                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
+                "enable_prefix_caching", "compile", "cuda_graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

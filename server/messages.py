@@ -90,6 +90,9 @@ class EngineStats:
     kernel_compiles: int = 0  # GPU kernel variants compiled after start-up
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    kv_pages_cached: int = 0  # pages of the prefix cache, in use or idle (idle ones count as free)
+    prefix_cache_query_tokens: int = 0  # tokens of admitted requests
+    prefix_cache_hit_tokens: int = 0  # of which the prefix cache held
 
     @property
     def kv_usage(self) -> float:
@@ -119,6 +122,7 @@ class Delta(NamedTuple):
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     queue_time: float | None = None  # seconds from arrival to its first scheduled step, sent once
     num_accepted_tokens: int = 0  # draft tokens the target has accepted for it so far (cumulative)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,7 @@ class RequestStream:
         self.queue_time: float | None = None
         self.num_output_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: StreamError | None = None
         self.stopped_early = False  # a stop string ended it while the engine still runs it
@@ -92,6 +93,7 @@ class RequestStream:
         if delta.queue_time is not None:
             self.queue_time = delta.queue_time
         self.num_accepted_tokens = delta.num_accepted_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = now
         self._fed += delta.token_ids
@@ -153,7 +155,7 @@ class RequestStream:
             response.usage.completion_tokens = self.num_output_tokens
             # A stop string found here may cut tokens the engine already accepted as drafts.
             response.usage.spec_accepted_tokens = min(self.num_accepted_tokens, self.num_output_tokens)
-            # cached_tokens stays 0: the engine has no prefix cache.
+            response.usage.cached_tokens = self.num_cached_tokens
         return response
 
     def _take_fed(self) -> tuple[list[int], list[TokenLogprob]]:

@@ -140,12 +140,15 @@ class GenerationServicer:
         stats = engine.stats
         if stats is not None:
             reply.kv_cache.CopyFrom(pb.KvCacheUsage(page_size=engine.info.page_size, pages_total=stats.kv_pages_total,
-                                                    pages_free=stats.kv_pages_free, usage=stats.kv_usage))
+                                                    pages_free=stats.kv_pages_free, usage=stats.kv_usage,
+                                                    pages_cached=stats.kv_pages_cached))
             reply.running_requests, reply.waiting_requests = stats.running, stats.waiting
             reply.steps.update(stats.steps)
             reply.graph_replays, reply.compiled_steps, reply.eager_steps = (stats.graph_replays, stats.compiled_steps,
                                                                             stats.eager_steps)
             reply.preemptions, reply.kernel_compiles = stats.preemptions, stats.kernel_compiles
+            reply.prefix_cache_query_tokens = stats.prefix_cache_query_tokens
+            reply.prefix_cache_hit_tokens = stats.prefix_cache_hit_tokens
         return reply
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,13 +13,19 @@ from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager, PagePool
 
 
 def check_invariants(kv: KVCacheManager) -> None:
-    owned = [p for table in kv.tables.values() for p in table]
-    assert len(owned) == len(set(owned)), "a page is owned twice"
-    assert DUMMY_PAGE not in owned and DUMMY_PAGE not in kv.pool.free_pages
-    assert len(kv.pool.free_pages) == len(set(kv.pool.free_pages))
-    assert not set(owned) & set(kv.pool.free_pages), "an owned page is also free"
-    assert len(owned) + kv.num_free_pages == kv.num_total_pages, "pages leaked"
-    assert all(kv.pool.refcount[p] == 1 for p in owned)
+    """Only a page of the prefix cache is shared, each page's refcount is its number of owners, and
+    every page is owned, free or idle in the cache, exactly once."""
+    owners = Counter(p for table in kv.tables.values() for p in table)
+    pool = kv.pool
+    assert all(n == 1 or p in pool.keys for p, n in owners.items()), "an unregistered page is owned twice"
+    assert all(pool.refcount[p] == n for p, n in owners.items()), "a refcount is not its number of owners"
+    free = pool.free_pages + list(pool.idle)
+    assert DUMMY_PAGE not in owners and DUMMY_PAGE not in free
+    assert len(free) == len(set(free))
+    assert not set(owners) & set(free), "an owned page is also free"
+    assert len(owners) + kv.num_free_pages == kv.num_total_pages, "pages leaked"
+    assert set(pool.idle) <= set(pool.keys) and not set(pool.free_pages) & set(pool.keys)
+    assert all(pool.index[key] == p for p, key in pool.keys.items()) and len(pool.index) == len(pool.keys)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -85,5 +85,7 @@ def test_unknown_engine_options_and_bad_values_are_named(v3_dir):
         Engine(str(v3_dir), device="cpu", page_size=0)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         Engine(str(v3_dir), device="cpu", attention_backend="nope")
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'no'"):
+        Engine(str(v3_dir), device="cpu", enable_prefix_caching="no")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Engine(str(v3_dir / "missing"), device="cpu")

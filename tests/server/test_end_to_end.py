@@ -202,3 +202,17 @@ def test_model_and_server_info(client, reference):
     assert info.graph_replays + info.compiled_steps + info.eager_steps == sum(info.steps.values())
     assert info.kernel_compiles == 0  # a CPU engine compiles no kernels
     assert list(info.graph_keys) == []
+
+
+def test_a_shared_prefix_is_reported_as_cached_tokens(client, reference):
+    prefix = [(37 * i + 11) % 250 + 50 for i in range(40)]  # two full pages of 16, then 8 tokens
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = client.generate(prefix + [7], **params)
+    before = client.server_info()
+    second = client.generate(prefix + [9, 11], **params)
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == 32
+    assert second.token_ids == reference.generate([prefix + [9, 11]], SamplingParams(**params))[0].token_ids
+    info = client.server_info()
+    assert info.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 32
+    assert info.prefix_cache_query_tokens - before.prefix_cache_query_tokens == 42
+    assert info.kv_cache.pages_cached >= 2

@@ -51,7 +51,7 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     metrics.observe_rejection("INVALID_ARGUMENT")
     stats = EngineStats(steps={"EXTEND": 2, "DECODE": 5, "MIXED": 1}, kv_pages_free=30, kv_pages_total=40,
                         running=1, waiting=2, preemptions=0, graph_replays=5, compiled_steps=1, eager_steps=2,
-                        kernel_compiles=3)
+                        kernel_compiles=3, kv_pages_cached=12, prefix_cache_query_tokens=90, prefix_cache_hit_tokens=64)
     s = _samples(metrics.render(stats, in_flight=3, engine_alive=True, listener_calls=[4, 0, 2]))
     assert s["encore_time_to_first_token_seconds_sum"] == pytest.approx(0.5)
     assert s["encore_time_per_output_token_seconds_sum"] == pytest.approx(0.5)  # 1 s over 2 later tokens
@@ -64,6 +64,8 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     steps = ("encore_graph_replays_total", "encore_compiled_steps_total", "encore_eager_steps_total")
     assert [s[name] for name in steps] == [5, 1, 2]
     assert s["encore_kernel_compiles_total"] == 3
+    assert s["encore_kv_cache_pages_cached"] == 12
+    assert (s["encore_prefix_cache_query_tokens_total"], s["encore_prefix_cache_hit_tokens_total"]) == (90, 64)
     assert (s["encore_requests_running"], s["encore_requests_waiting"], s["encore_requests_in_flight"]) == (1, 2, 3)
     assert [s[f'encore_listener_calls_total{{listener="{i}"}}'] for i in range(3)] == [4, 0, 2]
 

@@ -187,7 +187,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds", "kernel_compiles")
+    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds", "kernel_compiles", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
     class EngineConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,8 @@ class ServerInfo(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     version: str
     engine_alive: bool
     ready: bool
@@ -243,7 +245,9 @@ class ServerInfo(_message.Message):
     preemptions: int
     uptime_seconds: float
     kernel_compiles: int
-    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kernel_compiles: _Optional[int] = ...) -> None: ...
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kernel_compiles: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GraphKey(_message.Message):
     __slots__ = ("num_extends", "q_len_per_req", "bs", "num_tokens")
@@ -258,13 +262,15 @@ class GraphKey(_message.Message):
     def __init__(self, num_extends: _Optional[int] = ..., q_len_per_req: _Optional[int] = ..., bs: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class KvCacheUsage(_message.Message):
-    __slots__ = ("page_size", "pages_total", "pages_free", "usage")
+    __slots__ = ("page_size", "pages_total", "pages_free", "usage", "pages_cached")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     pages_total: int
     pages_free: int
     usage: float
-    def __init__(self, page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+    pages_cached: int
+    def __init__(self, page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., usage: _Optional[float] = ..., pages_cached: _Optional[int] = ...) -> None: ...
