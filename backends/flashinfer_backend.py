@@ -22,7 +22,14 @@ it runs on the Triton backend's kernels instead, counted in ``fallback_steps``.
 
 CUDA graphs: each static shape gets its own wrappers (``use_cuda_graph=True``, reserved metadata
 buffers), re-planned before every replay; flashinfer's fa2/fa3 MLA plans keep their workspace layout
-across re-plans of one shape, so a captured graph stays valid. ``wrapper.plan`` validates its
+across re-plans of one shape, so a captured graph stays valid, with one exception: its planner picks
+one or two CTAs a cluster (its kernel's grid) from the rows' mean query length, heads included (over
+64 or not). Decode rows are uniform, so their mean is the shape's; a static step's prefill rows are
+not, so the bucket's padding tokens (those past the last row) go to the plan as a row of their own
+over the dummy page, after the real rows: every plan of a shape then has the same query total over
+the same rows. That row's output is bucket padding, dropped like the rest. (Without it a MIXED key
+replayed a step of a few short prefill rows, e.g. prompts that start from the prefix cache, after
+its capture at another mean, and the layout check refused it.) ``wrapper.plan`` validates its
 arguments in Python for ~0.7 ms a call (H200; its native planner takes ~0.1 ms), which at bs 1 was a
 fifth of a V2-Lite decode step. So a static shape is planned through ``wrapper.plan`` once, and
 every later plan calls the native planner behind it directly and refreshes the reserved metadata
@@ -43,6 +50,7 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
+from encore.engine.kv_cache import DUMMY_PAGE
 from encore.backends.triton_backend import TritonAttentionBackend
 
 log = logging.getLogger(__name__)
@@ -72,32 +80,44 @@ def unsupported_reason(dims: MLADims, dtype: torch.dtype, device: torch.device) 
 
 @dataclass(slots=True)
 class _Rows:
-    """Host CSR metadata of a set of rows over the paged cache."""
+    """Host CSR metadata of a set of rows over the paged cache; the last ``dummy_rows`` of them read
+    only the dummy page and have no row in the page table."""
 
     qo_indptr: torch.Tensor  # [R + 1] int32, CPU
     kv_indptr: torch.Tensor  # [R + 1] int32, CPU: ceil(kv_len / page_size) pages each
     kv_len: torch.Tensor  # [R] int32, CPU
+    table_pages: int  # pages of the rows the page table holds (kv_indptr[R - dummy_rows])
     num_pages: int  # kv_indptr[-1]
+    dummy_rows: int = 0
 
 
-def _rows(q_lens: list[int], kv_lens: list[int], page_size: int) -> _Rows:
+def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, filler: int | None = None) -> _Rows:
     """Built from Python lists (``host_tensor``): it runs before every flashinfer step, and as torch ops
     on small tensors it took ~200 µs at any row count on the CI machine, as lists 15 µs for one row.
-    Its work is per row, never per page: the pages themselves are gathered on the device (``_row_pages``)."""
+    Its work is per row, never per page: the pages themselves are gathered on the device (``_row_pages``).
+    ``filler``: a last row of that many queries over as many keys on the dummy page (module docstring)."""
+    dummy = [] if filler is None else [filler]
+    kv_lens = kv_lens + dummy
     kv_indptr = list(accumulate(((n + page_size - 1) // page_size for n in kv_lens), initial=0))
-    return _Rows(host_tensor(list(accumulate(q_lens, initial=0)), torch.int32), host_tensor(kv_indptr, torch.int32),
-                 host_tensor(kv_lens, torch.int32), kv_indptr[-1])
+    return _Rows(host_tensor(list(accumulate(q_lens + dummy, initial=0)), torch.int32),
+                 host_tensor(kv_indptr, torch.int32), host_tensor(kv_lens, torch.int32),
+                 kv_indptr[len(kv_lens) - len(dummy)], kv_indptr[-1], len(dummy))
 
 
 def _row_pages(page_table: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """Each row's first ``kv_indptr`` pages of ``page_table`` [R, W], concatenated: [num_pages] on the
-    table's device. Gathered there, with no sync (repeat_interleave is told its output size): a host
-    list of every page's index cost ~0.8 ms a step at bs 64 × 8k context on the CI machine."""
+    """Each row's first ``kv_indptr`` pages of ``page_table`` [R, W], concatenated, then the dummy rows'
+    (DUMMY_PAGE): [num_pages] on the table's device. Gathered there, with no sync (repeat_interleave is
+    told its output size): a host list of every page's index cost ~0.8 ms a step at bs 64 × 8k context
+    on the CI machine."""
     device = page_table.device
-    indptr = rows.kv_indptr.to(device, non_blocking=True)
-    row = torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=device), indptr[1:] - indptr[:-1],
-                                  output_size=rows.num_pages)  # [num_pages]
-    return page_table[row, torch.arange(rows.num_pages, device=device) - indptr[row]]
+    table_rows = rows.kv_len.numel() - rows.dummy_rows
+    indptr = rows.kv_indptr[:table_rows + 1].to(device, non_blocking=True)
+    row = torch.repeat_interleave(torch.arange(table_rows, device=device), indptr[1:] - indptr[:-1],
+                                  output_size=rows.table_pages)  # [table_pages]
+    pages = page_table[row, torch.arange(rows.table_pages, device=device) - indptr[row]]
+    if rows.num_pages == rows.table_pages:
+        return pages
+    return torch.nn.functional.pad(pages, (0, rows.num_pages - rows.table_pages), value=DUMMY_PAGE)
 
 
 class _Replanner:
@@ -150,10 +170,10 @@ class _Replanner:
 
 class _MLAPlan:
     """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans own reserved
-    metadata buffers sized for ``rows`` rows of ``width`` pages (graph-capturable); after their first
-    plan they re-plan through a ``_Replanner`` when flashinfer allows it."""
+    metadata buffers sized for ``rows`` rows over ``max_pages`` pages in all (graph-capturable); after
+    their first plan they re-plan through a ``_Replanner`` when flashinfer allows it."""
 
-    def __init__(self, workspace: torch.Tensor, rows: int | None, width: int | None) -> None:
+    def __init__(self, workspace: torch.Tensor, rows: int | None, max_pages: int | None) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         self.static = rows is not None
@@ -168,7 +188,7 @@ class _MLAPlan:
                 workspace, use_cuda_graph=True,
                 qo_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
                 kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
-                kv_indices=torch.zeros(max(rows * width, 1), dtype=torch.int32, device=device),
+                kv_indices=torch.zeros(max(max_pages, 1), dtype=torch.int32, device=device),
                 kv_len_arr=torch.zeros(rows, dtype=torch.int32, device=device))
 
     def plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
@@ -259,16 +279,18 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = None
         if E:
             q_lens = [s - p for s, p in zip(seq[:E], prefix[:E])]
-            if static:
-                self._prefill = self._static_plan(("prefill", *shape), E, width)
-                self._prefill.plan(_rows(q_lens, seq[:E], page_size), batch.page_table[:E], self.dims,
-                                   page_size, True, dtype, dtype)
+            if static:  # the bucket's padding as a last row (module docstring)
+                tokens = batch.num_extend_tokens
+                self._prefill = self._static_plan(("prefill", *shape), E + 1,
+                                                  E * width + -(-tokens // page_size), width)
+                self._prefill.plan(_rows(q_lens, seq[:E], page_size, filler=tokens - sum(q_lens)),
+                                   batch.page_table[:E], self.dims, page_size, True, dtype, dtype)
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
         if batch.num_decodes:
             rows, q = batch.num_decodes, batch.q_len_per_req
-            plan = (self._static_plan(("decode", *shape), rows, width) if static
+            plan = (self._static_plan(("decode", *shape), rows, rows * width, width) if static
                     else self._eager_decode_mla)
             plan.plan(_rows([q] * rows, seq[E:], page_size), batch.page_table[E:], self.dims, page_size,
                       q > 1, dtype, dtype)
@@ -278,10 +300,10 @@ class FlashInferAttentionBackend(AttentionBackend):
     def slow_replans(self) -> int:
         return sum(plan.slow_replans for plan in self._static.values())
 
-    def _static_plan(self, key: tuple, rows: int, width: int) -> _MLAPlan:
+    def _static_plan(self, key: tuple, rows: int, max_pages: int, width: int) -> _MLAPlan:
         plan = self._static.get(key + (width,))
         if plan is None:
-            plan = self._static[key + (width,)] = _MLAPlan(self.workspace, rows, width)
+            plan = self._static[key + (width,)] = _MLAPlan(self.workspace, rows, max_pages)
         return plan
 
     def _plan_ragged(self, batch: ForwardBatch, q_lens: list[int]) -> _RaggedPrefill:

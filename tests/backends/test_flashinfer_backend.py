@@ -110,6 +110,19 @@ def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
     assert backend.slow_replans == (0 if replan == "native" else len(plans))
 
 
+def test_static_prefill_plans_keep_their_layout_whatever_the_rows_query_lengths():
+    """flashinfer picks its grid from the rows' mean query length, heads included: one static shape's
+    prefill row planned at 30 new tokens (480 packed rows) and then at 3 (48, e.g. a prompt that starts
+    from the prefix cache) in the same bucket must keep the layout its graph captured. Without the
+    bucket's padding as a row of its own the second plan raised "plan layout changed"."""
+    batch, cache, _ = make_step([(0, 30)], [40], 1, 16, torch.bfloat16, DIMS)
+    backend = backend_cls()([cache.clone()], DIMS)
+    backend.plan(batch, static=True)
+    batch.prefix_lens_cpu = [27, *batch.prefix_lens_cpu[1:]]
+    backend.plan(batch, static=True)
+    assert backend.slow_replans == 0 and all(plan.replanner is not None for plan in backend._static.values())
+
+
 def test_a_native_replan_whose_layout_changed_raises():
     """The native re-plan checks that the plan keeps the layout a captured graph was built on: a
     different one raises instead of replaying a stale graph."""

@@ -7,6 +7,7 @@ import torch
 
 from encore.backends.flashinfer_backend import _row_pages, _rows
 from encore.backends.host_tensors import host_tensor, upload
+from encore.engine.kv_cache import DUMMY_PAGE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -59,3 +60,15 @@ def test_flashinfer_rows_are_csr_over_the_page_table():
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
     pages = _row_pages(table, rows)
     assert pages.tolist() == [0, 4, 5, 6] and pages.dtype == torch.int32 and rows.num_pages == 4
+
+
+def test_flashinfer_filler_row_reads_only_the_dummy_page():
+    """A static prefill plan's bucket padding (70 tokens) as a last row of 70 queries over as many keys:
+    its two pages are the dummy page, after the table rows' pages; the table has no row for it."""
+    rows = _rows([1, 3], [5, 130], 64, filler=70)
+    assert rows.qo_indptr.tolist() == [0, 1, 4, 74] and rows.kv_indptr.tolist() == [0, 1, 4, 6]
+    assert rows.kv_len.tolist() == [5, 130, 70] and (rows.table_pages, rows.num_pages) == (4, 6)
+    table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    assert _row_pages(table, rows).tolist() == [1, 5, 6, 7, DUMMY_PAGE, DUMMY_PAGE]
+    empty = _rows([1, 3], [5, 130], 64, filler=0)  # a full bucket: the row is there, with nothing to do
+    assert empty.qo_indptr.tolist() == [0, 1, 4, 4] and _row_pages(table, empty).tolist() == [1, 5, 6, 7]
