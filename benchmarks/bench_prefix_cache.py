@@ -55,7 +55,8 @@ def trial(engine: Engine, tag: str, prompts: list[list[int]], params: SamplingPa
     return {"ttft_ms_mean": statistics.mean(ttft), "ttft_ms_p50": statistics.median(ttft), "ttft_ms_max": ttft[-1],
             "wall_s": end - start, "throughput_tok_s": tokens / (end - start),
             "prompt_tokens": sum(map(len, prompts)), "computed_prompt_tokens": queried - hits,
-            "steps": {m: after["steps"][m] - before["steps"][m] for m in after["steps"]}}
+            "steps": {m: after["steps"][m] - before["steps"][m] for m in after["steps"]},
+            "recompiles": after.get("recompiles", 0) - before.get("recompiles", 0)}
 
 
 def main() -> None:
@@ -98,7 +99,8 @@ def main() -> None:
     rows = []
     for name, trials in runs.items():
         rows.append({"path": name, **{k: statistics.median(r[k] for r in trials)
-                                      for k in trials[0] if k != "steps"}, "trials": trials})
+                                      for k in trials[0] if k not in ("steps", "recompiles")},
+                     "recompiles": sum(r["recompiles"] for r in trials), "trials": trials})
     on, off = rows
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{device}, {args.dtype}, {args.clients} requests x ({args.shared_tokens} shared + {args.question_tokens} "
@@ -108,7 +110,8 @@ def main() -> None:
         print(f"{r['path']:18} {r['ttft_ms_mean']:>10.1f} {r['ttft_ms_p50']:>8.1f} {r['ttft_ms_max']:>8.1f} "
               f"{r['throughput_tok_s']:>9.0f} {r['wall_s']:>8.3f} {r['computed_prompt_tokens']:>9.0f}")
     print(f"on / off: TTFT x{on['ttft_ms_mean'] / off['ttft_ms_mean']:.3f}, "
-          f"throughput x{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}")
+          f"throughput x{on['throughput_tok_s'] / off['throughput_tok_s']:.2f}; "
+          f"recompiles in the trials: on {on['recompiles']}, off {off['recompiles']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "args": vars(args), "rows": rows}, f, indent=2)
