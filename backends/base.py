@@ -35,6 +35,19 @@ class MLADims:
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def absorbed_prefill_is_cheaper(self, q_lens: list[int], prefix_lens: list[int]) -> bool:
+        """Whether prefill rows of ``q_lens`` new tokens after ``prefix_lens`` cached ones cost fewer FLOPs
+        as absorbed MLA over the latent cache than as MHA over their decompressed KV. Both project the
+        new tokens' latents once (MHA: their K and V; absorbed: q·W_kc and o·W_vc); MHA also decompresses
+        every prefix latent (R·H·(dn + dv) MACs each), while absorbed attends with 576-wide keys and
+        512-wide values instead of 192 and 128 (H·(2R − dn − dv) more MACs per visible (query, key)
+        pair). So a long cached prefix under a few new tokens (a prompt that starts from the prefix
+        cache) goes absorbed, a long new prompt MHA."""
+        r, h = self.kv_lora_rank, self.num_heads
+        decompress = sum(prefix_lens) * r * h * (self.qk_nope_head_dim + self.v_head_dim)
+        pairs = sum(q * (p + (q + 1) / 2) for q, p in zip(q_lens, prefix_lens))
+        return decompress > pairs * h * (2 * r - self.qk_nope_head_dim - self.v_head_dim)
+
 
 class AttentionBackend(abc.ABC):
     """MLA attention over the paged latent cache with the split dispatch of DESIGN.md.

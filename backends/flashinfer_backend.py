@@ -4,15 +4,18 @@ Decode rows (any uniform q_len_per_req, causal inside the row: spec-verify is de
 ``BatchMLAPagedAttentionWrapper`` over the 576-wide paged latent cache: q_nope·W_kc gives the latent
 query, the kernel returns a latent output, ·W_vc gives ``out``.
 
-Prefill rows take one of two paths, chosen by whether the step's shapes are static:
+Prefill rows take one of two paths:
 
-- an eager step (shapes known only now) runs MHA over the decompressed KV of each row, length-bounded:
-  the row's ``seq_len`` latents (cached prefix + this chunk) are gathered from its pages, decompressed
-  through W_kc / W_vc into qk-192 / vo-128 heads, and ``BatchPrefillWithRaggedKVCacheWrapper`` attends
-  causally (bottom-right aligned). MHA is the cheaper formulation for long new prompts (192-wide
-  scores instead of 576, no per-token absorption).
-- a static step (a graph key's buffers, possibly captured) runs the prefill rows through the absorbed
-  paged MLA kernel as causal CSR rows. Its shapes depend only on the key, it reads each row's pages up
+- MHA over the decompressed KV of each row, length-bounded: the row's ``seq_len`` latents (cached
+  prefix + this chunk) are gathered from its pages, decompressed through W_kc / W_vc into qk-192 /
+  vo-128 heads, and ``BatchPrefillWithRaggedKVCacheWrapper`` attends causally (bottom-right aligned).
+  MHA is the cheaper formulation for long new prompts (192-wide scores instead of 576, no per-token
+  absorption). An eager step (shapes known only now) takes it unless the absorbed path below costs
+  fewer FLOPs (``MLADims.absorbed_prefill_is_cheaper``: a long cached prefix under a few new tokens,
+  as a prompt that starts from the prefix cache has, whose decompression would cost more than the
+  wider absorbed scores).
+- the absorbed paged MLA kernel, the prefill rows as causal CSR rows. A static step (a graph key's
+  buffers, possibly captured) always takes it. Its shapes depend only on the key, it reads each row's pages up
   to its length and never decompresses the prefix; graph keys hold small prefill buckets
   (graphs/keys.py), where the absorbed formulation's extra FLOPs are cheap.
 
@@ -257,6 +260,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
+        self._eager_prefill_mla = _MLAPlan(self.workspace, None, None)
         self._static: dict[tuple, _MLAPlan] = {}
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
         self._prefill: _MLAPlan | _RaggedPrefill | None = None
@@ -285,6 +289,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                                                   E * width + -(-tokens // page_size), width)
                 self._prefill.plan(_rows(q_lens, seq[:E], page_size, filler=tokens - sum(q_lens)),
                                    batch.page_table[:E], self.dims, page_size, True, dtype, dtype)
+            elif self.absorbs_prefill(q_lens, prefix[:E]):
+                self._prefill = self._eager_prefill_mla
+                self._prefill.plan(_rows(q_lens, seq[:E], page_size), batch.page_table[:E], self.dims, page_size,
+                                   True, dtype, dtype)
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
@@ -295,6 +303,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             plan.plan(_rows([q] * rows, seq[E:], page_size), batch.page_table[E:], self.dims, page_size,
                       q > 1, dtype, dtype)
             self._decode = plan
+
+    def absorbs_prefill(self, q_lens: list[int], prefix_lens: list[int]) -> bool:
+        """The eager prefill path (module docstring): absorbed where it costs fewer FLOPs than MHA."""
+        return self.dims.absorbed_prefill_is_cheaper(q_lens, prefix_lens)
 
     @property
     def slow_replans(self) -> int:
