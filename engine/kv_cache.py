@@ -141,6 +141,8 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self._extra = 1 if key_next_token else 0  # tokens past a page its key holds
         self._chains: dict[str, tuple[int, int]] = {}  # request id -> (pages registered, node of the last)
+        # request id -> the computed length at which its next page is full: what a step checks first
+        self.next_full: dict[str, int] = {}
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -179,6 +181,7 @@ class KVCacheManager:
         if table:
             self.tables[request_id] = table
             self._chains[request_id] = (len(table), node)
+            self.next_full[request_id] = (len(table) + 1) * ps
         return len(table) * ps
 
     def cache_pages(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
@@ -195,6 +198,7 @@ class KVCacheManager:
         for i in range(done, full):
             node = self.pool.register(table[i], (node, tuple(token_ids[i * ps:(i + 1) * ps + self._extra])))
         self._chains[request_id] = (full, node)
+        self.next_full[request_id] = (full + 1) * ps
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Releases the request's pages beyond those that hold ``num_tokens`` tokens."""
@@ -209,6 +213,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Releases all the request's pages, the last first (module docstring)."""
         self._chains.pop(request_id, None)
+        self.next_full.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table:
             self.pool.release(table[::-1])

@@ -63,10 +63,15 @@ class Scheduler:
         self._release(req)
 
     def cache_pages(self, reqs: list[Request]) -> None:
-        """Registers the running requests' newly filled pages in the prefix cache (after a step)."""
+        """Registers the running requests' newly filled pages in the prefix cache (after a step). Most
+        steps fill none: a row is looked at only once its computed length reaches its next page's end."""
+        kv = self.kv
+        if not kv.prefix_caching:
+            return
+        due, first = kv.next_full, kv.page_size
         for req in reqs:
-            if not req.finished:
-                self.kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
+            if req.num_computed >= due.get(req.request_id, first) and not req.finished:
+                kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
 
     def _release(self, req: Request) -> None:
         """Frees the request's pages, registering first those it filled (they outlive it, idle)."""
