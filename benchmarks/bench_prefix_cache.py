@@ -4,13 +4,15 @@ Each request is the same ``--shared-tokens`` system prompt plus ``--question-tok
 (random token ids, new ones every trial, so a trial finds only the system prompt in the cache), and
 generates ``--max-tokens`` greedy tokens. Both engines (same checkpoint and options, prefix caching on
 and off — the peer) first run one such request, as a server would have served earlier traffic; then
-the trials take turns (on, off, on, ...), all ``--clients`` requests added at once. TTFT is from the
+the trials take turns (on, off, on, ...), all ``--clients`` requests added at once. With ``--cold``
+every trial has a system prompt of its own and nothing is run before: the burst finds nothing cached,
+and the first request computes the shared pages while the others wait for them. TTFT is from the
 burst's submission to a request's first token, throughput all output tokens over the time to the
 last; "computed" counts the prompt tokens the engine ran through the model (admitted minus cached).
 
     python benchmarks/bench_prefix_cache.py [--model DIR] [--device cuda] [--dtype bfloat16]
         [--clients 64] [--shared-tokens 1024] [--question-tokens 32] [--max-tokens 32] [--trials 3]
-        [--no-compile] [--json out.json]
+        [--cold] [--no-compile] [--json out.json]
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="a new system prompt every trial, none served before")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of the eager model, no torch.compile")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -81,18 +84,21 @@ def main() -> None:
     freeze_start_up_heap()
     vocab = next(iter(engines.values())).model_config.vocab_size
     rng = random.Random(0)
-    shared = [rng.randrange(100, vocab) for _ in range(args.shared_tokens)]
 
-    def questions(n: int) -> list[list[int]]:
-        return [shared + [rng.randrange(100, vocab) for _ in range(args.question_tokens)] for _ in range(n)]
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
 
+    shared = tokens(args.shared_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    primer = questions(1)
-    for engine in engines.values():  # earlier traffic: the system prompt is in the on-engine's cache
-        engine.generate(primer, params)
+    if not args.cold:
+        primer = [shared + tokens(args.question_tokens)]
+        for engine in engines.values():  # earlier traffic: the system prompt is in the on-engine's cache
+            engine.generate(primer, params)
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for t in range(args.trials):
-        prompts = questions(args.clients)  # both sides run the same new questions
+        if args.cold:
+            shared = tokens(args.shared_tokens)
+        prompts = [shared + tokens(args.question_tokens) for _ in range(args.clients)]  # the same on both sides
         for name, engine in engines.items():
             runs[name].append(trial(engine, f"t{t}", prompts, params))
 
@@ -104,7 +110,8 @@ def main() -> None:
     on, off = rows
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{device}, {args.dtype}, {args.clients} requests x ({args.shared_tokens} shared + {args.question_tokens} "
-          f"own) prompt tokens, {args.max_tokens} output tokens, median of {args.trials} trials")
+          f"own) prompt tokens, {args.max_tokens} output tokens, {'cold' if args.cold else 'system prompt cached'}, "
+          f"median of {args.trials} trials")
     print(f"{'path':18} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'tok/s':>9} {'wall s':>8} {'computed':>9}")
     for r in rows:
         print(f"{r['path']:18} {r['ttft_ms_mean']:>10.1f} {r['ttft_ms_p50']:>8.1f} {r['ttft_ms_max']:>8.1f} "

@@ -326,6 +326,7 @@ class Engine:
             "kv_pages_cached": self.kv.num_cached_pages,
             "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_deferrals": self.scheduler.prefix_deferrals,
             **self.runner.graph_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -184,6 +184,15 @@ class KVCacheManager:
             self.next_full[request_id] = (len(table) + 1) * ps
         return len(table) * ps
 
+    def next_page_shared(self, token_ids: list[int], cached: int, other: list[int]) -> bool:
+        """Whether the page of ``token_ids`` after its first ``cached`` tokens (a match_prefix result) is
+        one ``other``'s tokens would fill with the same key, and one match_prefix would take."""
+        end = cached + self.page_size
+        if end >= len(token_ids):
+            return False
+        end += self._extra
+        return len(other) >= end and token_ids[:end] == other[:end]
+
     def cache_pages(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Registers the request's pages that are full of computed KV (``num_computed`` tokens of
         ``token_ids``, the tokens committed so far) and not registered yet."""

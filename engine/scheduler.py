@@ -28,7 +28,10 @@ class Scheduler:
     """FCFS with chunked prefill and preemption by recompute.
 
     A request admitted from the queue starts from the pages the prefix cache holds for its tokens
-    (``KVCacheManager.match_prefix``): its first chunk begins past them.
+    (``KVCacheManager.match_prefix``): its first chunk begins past them. One whose next page another
+    request is computing (the same leading tokens, that request still in its prompt) waits in the
+    queue, without holding back those behind it, until that page is cached: a burst of prompts behind
+    one uncached system prompt computes it once (SGLang calls this in-batch prefix caching).
 
     Running decode rows claim the budget first; a decode row whose pages cannot be reserved
     preempts the most recently admitted running request (its pages are freed and it goes back to
@@ -50,6 +53,7 @@ class Scheduler:
         self.lookahead = 0
         self.prefix_query_tokens = 0  # tokens of admitted requests (prompt, and output after a preemption)
         self.prefix_hit_tokens = 0  # of which the prefix cache held
+        self.prefix_deferrals = 0  # admissions put off a step to take a page another request is computing
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -130,12 +134,17 @@ class Scheduler:
             if self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 step.extends.append((req, n))
                 budget -= n
+        leaders = self._prefill_leaders() if self.kv.prefix_caching else None
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if not req.ready:
                 continue  # a grammar still compiling holds back only its own request
             cached = self.kv.match_prefix(req.request_id, req.token_ids)
+            if leaders is not None and self._follows(req, cached, leaders):
+                self.kv.free(req.request_id)  # its cached pages: a waiting request holds none
+                self.prefix_deferrals += 1
+                continue
             req.num_computed = cached
             n = min(req.num_uncomputed, self.chunked_prefill_size, budget)
             if not self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
@@ -151,6 +160,26 @@ class Scheduler:
             self.running.append(req)
             step.extends.append((req, n))
             budget -= n
+            if leaders is not None:
+                leaders.setdefault(self._first_page(req), []).append(req)
+
+    def _prefill_leaders(self) -> dict[tuple[int, ...], list[Request]]:
+        """Running requests still computing their prompt, by their first page's tokens."""
+        leaders: dict[tuple[int, ...], list[Request]] = {}
+        for req in self.running:
+            if not req.is_decoding:
+                leaders.setdefault(self._first_page(req), []).append(req)
+        return leaders
+
+    def _first_page(self, req: Request) -> tuple[int, ...]:
+        return tuple(req.token_ids[:self.kv.page_size])
+
+    def _follows(self, req: Request, cached: int, leaders: dict[tuple[int, ...], list[Request]]) -> bool:
+        """Whether a request that would start after ``cached`` tokens shares its next page with a
+        request computing it now: then it waits for that page to reach the prefix cache instead of
+        computing it again (a burst of prompts behind one system prompt computes it once)."""
+        return any(self.kv.next_page_shared(req.token_ids, cached, leader.token_ids)
+                   for leader in leaders.get(self._first_page(req), ()))
 
     def _prefill_slots(self, req: Request, n: int) -> int:
         completes = n == req.num_uncomputed

@@ -104,3 +104,40 @@ def test_preempted_requests_resume_from_their_own_pages():
     for got, prompt in zip(outs, prompts):
         assert got.token_ids == off.generate([prompt], long)[0].token_ids
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+@pytest.mark.parametrize("speculative", [None, MTP], ids=["plain", "mtp"])
+def test_a_cold_burst_behind_one_system_prompt_computes_it_once(speculative):
+    on = Engine(device="cpu", page_size=PAGE, speculative=speculative)
+    off = Engine(device="cpu", page_size=PAGE, speculative=speculative, enable_prefix_caching=False)
+    shared = on.tokenizer.encode(SYSTEM)  # 4 * PAGE and more
+    alone = on.tokenizer.encode("import numpy as np\n")  # shares nothing: never held back
+    prompts = [shared + on.tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS] + [alone]
+    got, want = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_accepted_tokens for o in got] == [o.num_accepted_tokens for o in want]
+    # The first prompt computes the shared pages; the others wait for them and take all of them.
+    pages = expected_hit(prompts[1], prompts[0], speculative is not None)
+    assert got[0].num_cached_tokens == 0 and pages >= 4 * PAGE
+    assert [o.num_cached_tokens for o in got[1:-1]] == [pages] * (len(QUESTIONS) - 1)
+    assert got[-1].num_cached_tokens == 0
+    stats = on.stats()
+    assert stats["prefix_cache_deferrals"] > 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert off.stats()["prefix_cache_deferrals"] == 0
+
+
+def test_held_back_requests_do_not_hold_back_the_queue():
+    """The queue behind a waiting follower is admitted in the same step as its leader."""
+    engine = Engine(device="cpu", page_size=PAGE)
+    shared = engine.tokenizer.encode(SYSTEM)
+    engine.add_request("leader", shared + [5], GREEDY)
+    engine.add_request("follower", shared + [6], GREEDY)
+    engine.add_request("other", [7, 8, 9], GREEDY)
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == {"leader", "other"} and [r.request_id for r in engine.scheduler.waiting] == ["follower"]
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert outs["follower"].num_cached_tokens == expected_hit(shared + [6], shared + [5], False) > 0
