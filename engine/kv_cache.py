@@ -172,8 +172,7 @@ class KVCacheManager:
             return 0
         ps, table, node = self.page_size, [], ROOT
         while (len(table) + 1) * ps < len(token_ids):  # a page, and the token after it, in the prompt
-            start = len(table) * ps
-            found = self.pool.take((node, tuple(token_ids[start:start + ps + self._extra])))
+            found = self.pool.take((node, self.page_key(token_ids, len(table))))
             if found is None:
                 break
             page, node = found
@@ -184,14 +183,12 @@ class KVCacheManager:
             self.next_full[request_id] = (len(table) + 1) * ps
         return len(table) * ps
 
-    def next_page_shared(self, token_ids: list[int], cached: int, other: list[int]) -> bool:
-        """Whether the page of ``token_ids`` after its first ``cached`` tokens (a match_prefix result) is
-        one ``other``'s tokens would fill with the same key, and one match_prefix would take."""
-        end = cached + self.page_size
-        if end >= len(token_ids):
-            return False
-        end += self._extra
-        return len(other) >= end and token_ids[:end] == other[:end]
+    def page_key(self, token_ids: list[int], index: int) -> tuple[int, ...] | None:
+        """The tokens of page ``index`` of ``token_ids`` as its key holds them (with the next token
+        when a model drafter runs); None where ``token_ids`` do not reach that far."""
+        start = index * self.page_size
+        end = start + self.page_size + self._extra
+        return tuple(token_ids[start:end]) if len(token_ids) >= end else None
 
     def cache_pages(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Registers the request's pages that are full of computed KV (``num_computed`` tokens of
@@ -205,7 +202,7 @@ class KVCacheManager:
             return
         table = self.tables[request_id]
         for i in range(done, full):
-            node = self.pool.register(table[i], (node, tuple(token_ids[i * ps:(i + 1) * ps + self._extra])))
+            node = self.pool.register(table[i], (node, self.page_key(token_ids, i)))
         self._chains[request_id] = (full, node)
         self.next_full[request_id] = (full + 1) * ps
 

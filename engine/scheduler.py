@@ -134,14 +134,14 @@ class Scheduler:
             if self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 step.extends.append((req, n))
                 budget -= n
-        leaders = self._prefill_leaders() if self.kv.prefix_caching else None
+        leaders = PrefillLeaders(self.kv, self.running) if self.kv.prefix_caching else None
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if not req.ready:
                 continue  # a grammar still compiling holds back only its own request
             cached = self.kv.match_prefix(req.request_id, req.token_ids)
-            if leaders is not None and self._follows(req, cached, leaders):
+            if leaders is not None and leaders.computing_next_page(req.token_ids, cached):
                 self.kv.free(req.request_id)  # its cached pages: a waiting request holds none
                 self.prefix_deferrals += 1
                 continue
@@ -161,25 +161,7 @@ class Scheduler:
             step.extends.append((req, n))
             budget -= n
             if leaders is not None:
-                leaders.setdefault(self._first_page(req), []).append(req)
-
-    def _prefill_leaders(self) -> dict[tuple[int, ...], list[Request]]:
-        """Running requests still computing their prompt, by their first page's tokens."""
-        leaders: dict[tuple[int, ...], list[Request]] = {}
-        for req in self.running:
-            if not req.is_decoding:
-                leaders.setdefault(self._first_page(req), []).append(req)
-        return leaders
-
-    def _first_page(self, req: Request) -> tuple[int, ...]:
-        return tuple(req.token_ids[:self.kv.page_size])
-
-    def _follows(self, req: Request, cached: int, leaders: dict[tuple[int, ...], list[Request]]) -> bool:
-        """Whether a request that would start after ``cached`` tokens shares its next page with a
-        request computing it now: then it waits for that page to reach the prefix cache instead of
-        computing it again (a burst of prompts behind one system prompt computes it once)."""
-        return any(self.kv.next_page_shared(req.token_ids, cached, leader.token_ids)
-                   for leader in leaders.get(self._first_page(req), ()))
+                leaders.add(req)
 
     def _prefill_slots(self, req: Request, n: int) -> int:
         completes = n == req.num_uncomputed
@@ -193,3 +175,41 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         step.preempted.append(req)
+
+
+class PrefillLeaders:
+    """The running requests still computing their prompt, found by the page a queued request needs
+    next: a request that would start after ``cached`` tokens waits when one of them will fill its next
+    page (the same tokens before it and in it), to take that page from the prefix cache instead of
+    computing it again. Looked up by (page index, the page's tokens), an index built per page index on
+    first use, so a step's check costs a dict lookup per queued request, whatever the queue's length;
+    only a candidate found there has its whole prefix compared."""
+
+    def __init__(self, kv: KVCacheManager, running: list[Request]) -> None:
+        self.kv = kv
+        self.leaders = [req for req in running if not req.is_decoding]
+        self.by_page: dict[int, dict[tuple[int, ...], list[Request]]] = {}  # page index -> page key -> leaders
+
+    def add(self, req: Request) -> None:
+        """A request admitted in this step: it computes its prompt from now on."""
+        self.leaders.append(req)
+        for index, leaders in self.by_page.items():
+            self._file(leaders, req, index)
+
+    def computing_next_page(self, token_ids: list[int], cached: int) -> bool:
+        index = cached // self.kv.page_size
+        key = self.kv.page_key(token_ids, index)
+        if key is None or cached + self.kv.page_size >= len(token_ids):
+            return False  # no page past the cache to take: the last prompt token is always computed
+        leaders = self.by_page.get(index)
+        if leaders is None:
+            leaders = self.by_page[index] = {}
+            for leader in self.leaders:
+                self._file(leaders, leader, index)
+        return any(leader.token_ids[:cached] == token_ids[:cached] for leader in leaders.get(key, ()))
+
+    def _file(self, leaders: dict[tuple[int, ...], list[Request]], req: Request, index: int) -> None:
+        key = self.kv.page_key(req.token_ids, index)
+        if key is not None:
+            leaders.setdefault(key, []).append(req)
+
