@@ -53,8 +53,8 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
-from encore.engine.kv_cache import DUMMY_PAGE
 from encore.backends.triton_backend import TritonAttentionBackend
+from encore.engine.kv_cache import DUMMY_PAGE
 
 log = logging.getLogger(__name__)
 
