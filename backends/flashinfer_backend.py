@@ -283,16 +283,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = None
         if E:
             q_lens = [s - p for s, p in zip(seq[:E], prefix[:E])]
-            if static:  # the bucket's padding as a last row (module docstring)
-                tokens = batch.num_extend_tokens
-                self._prefill = self._static_plan(("prefill", *shape), E + 1,
-                                                  E * width + -(-tokens // page_size), width)
-                self._prefill.plan(_rows(q_lens, seq[:E], page_size, filler=tokens - sum(q_lens)),
-                                   batch.page_table[:E], self.dims, page_size, True, dtype, dtype)
-            elif self.absorbs_prefill(q_lens, prefix[:E]):
-                self._prefill = self._eager_prefill_mla
-                self._prefill.plan(_rows(q_lens, seq[:E], page_size), batch.page_table[:E], self.dims, page_size,
-                                   True, dtype, dtype)
+            if static or self.absorbs_prefill(q_lens, prefix[:E]):
+                filler = None  # a static plan: the bucket's padding as a last row (module docstring)
+                if static:
+                    tokens = batch.num_extend_tokens
+                    filler = tokens - sum(q_lens)
+                    plan = self._static_plan(("prefill", *shape), E + 1, E * width + -(-tokens // page_size), width)
+                else:
+                    plan = self._eager_prefill_mla
+                plan.plan(_rows(q_lens, seq[:E], page_size, filler), batch.page_table[:E], self.dims, page_size,
+                          True, dtype, dtype)
+                self._prefill = plan
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None

@@ -202,7 +202,7 @@ class Engine:
         for res in results[len(results) - len(step.decodes):]:
             res.request.num_computed += 1 + (res.num_accepted or 0)
         outputs.extend(self._commit(results))
-        self.scheduler.cache_pages([req for req, _ in step.extends] + step.decodes)
+        self.scheduler.cache_pages(step)
         return outputs
 
     def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:

@@ -45,8 +45,8 @@ class PagePool:
         self.free_pages = list(range(num_pages - 1, DUMMY_PAGE, -1))  # pop() hands out low ids first
         self.idle: dict[int, None] = {}  # registered pages at refcount 0, least recently released first
         self.index: dict[PageKey, int] = {}  # registered page by key
-        self.keys: dict[int, PageKey] = {}  # registered page -> its key
-        self.nodes: dict[int, int] = {}  # registered page -> its node id (the key of the pages after it)
+        # registered page -> (its key, its node id: what the keys of the pages after it hold)
+        self.registered: dict[int, tuple[PageKey, int]] = {}
         self._node_ids = itertools.count(ROOT + 1)
 
     @property
@@ -61,7 +61,7 @@ class PagePool:
     @property
     def num_cached(self) -> int:
         """Registered pages, in use or idle."""
-        return len(self.keys)
+        return len(self.registered)
 
     def alloc(self, n: int) -> list[int] | None:
         """n pages with refcount 1 and no key (free pages first, then the least recently released
@@ -90,7 +90,7 @@ class PagePool:
                 raise RuntimeError(f"release of page {p}, which is not allocated")
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
-                if p in self.keys:
+                if p in self.registered:
                     self.idle[p] = None
                 else:
                     self.free_pages.append(p)
@@ -102,12 +102,12 @@ class PagePool:
             raise RuntimeError(f"register of page {page}, which is not allocated")
         held = self.index.get(key)
         if held is not None:
-            return self.nodes[held]
-        if page in self.keys:
+            return self.registered[held][1]
+        if page in self.registered:
             raise RuntimeError(f"page {page} is registered already, under another key")
+        node = next(self._node_ids)
         self.index[key] = page
-        self.keys[page] = key
-        self.nodes[page] = node = next(self._node_ids)
+        self.registered[page] = (key, node)
         return node
 
     def take(self, key: PageKey) -> tuple[int, int] | None:
@@ -118,11 +118,11 @@ class PagePool:
         if self.refcount[page] == 0:
             del self.idle[page]
         self.refcount[page] += 1
-        return page, self.nodes[page]
+        return page, self.registered[page][1]
 
     def _unregister(self, page: int) -> None:
-        del self.index[self.keys.pop(page)]
-        del self.nodes[page]
+        key, _ = self.registered.pop(page)
+        del self.index[key]
 
 
 class KVCacheManager:
@@ -140,9 +140,9 @@ class KVCacheManager:
         self.tables: dict[str, list[int]] = {}
         self.prefix_caching = prefix_caching
         self._extra = 1 if key_next_token else 0  # tokens past a page its key holds
-        self._chains: dict[str, tuple[int, int]] = {}  # request id -> (pages registered, node of the last)
-        # request id -> the computed length at which its next page is full: what a step checks first
-        self.next_full: dict[str, int] = {}
+        # request id -> (the computed length at which its next page is full, the node of its last
+        # registered page); a request with none is at (page_size, ROOT). A step checks the first.
+        self.chains: dict[str, tuple[int, int]] = {}
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -179,8 +179,7 @@ class KVCacheManager:
             table.append(page)
         if table:
             self.tables[request_id] = table
-            self._chains[request_id] = (len(table), node)
-            self.next_full[request_id] = (len(table) + 1) * ps
+            self.chains[request_id] = ((len(table) + 1) * ps, node)
         return len(table) * ps
 
     def page_key(self, token_ids: list[int], index: int) -> tuple[int, ...] | None:
@@ -197,14 +196,13 @@ class KVCacheManager:
             return
         ps = self.page_size
         full = min(num_computed, len(token_ids) - self._extra) // ps
-        done, node = self._chains.get(request_id, (0, ROOT))
-        if full <= done:
+        due, node = self.chains.get(request_id, (ps, ROOT))
+        if full < due // ps:
             return
         table = self.tables[request_id]
-        for i in range(done, full):
+        for i in range(due // ps - 1, full):
             node = self.pool.register(table[i], (node, self.page_key(token_ids, i)))
-        self._chains[request_id] = (full, node)
-        self.next_full[request_id] = (full + 1) * ps
+        self.chains[request_id] = ((full + 1) * ps, node)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Releases the request's pages beyond those that hold ``num_tokens`` tokens."""
@@ -218,8 +216,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Releases all the request's pages, the last first (module docstring)."""
-        self._chains.pop(request_id, None)
-        self.next_full.pop(request_id, None)
+        self.chains.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table:
             self.pool.release(table[::-1])

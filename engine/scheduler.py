@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from encore.engine.kv_cache import KVCacheManager
+from encore.engine.kv_cache import ROOT, KVCacheManager
 from encore.engine.request import Request, RequestStatus
 
 
@@ -66,15 +67,15 @@ class Scheduler:
             self.waiting.remove(req)
         self._release(req)
 
-    def cache_pages(self, reqs: list[Request]) -> None:
-        """Registers the running requests' newly filled pages in the prefix cache (after a step). Most
+    def cache_pages(self, step: ScheduledStep) -> None:
+        """Registers the newly filled pages of a step's rows in the prefix cache (after the step). Most
         steps fill none: a row is looked at only once its computed length reaches its next page's end."""
         kv = self.kv
         if not kv.prefix_caching:
             return
-        due, first = kv.next_full, kv.page_size
-        for req in reqs:
-            if req.num_computed >= due.get(req.request_id, first) and not req.finished:
+        chains, root = kv.chains, (kv.page_size, ROOT)
+        for req in itertools.chain((req for req, _ in step.extends), step.decodes):
+            if req.num_computed >= chains.get(req.request_id, root)[0] and not req.finished:
                 kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
 
     def _release(self, req: Request) -> None:
@@ -134,12 +135,14 @@ class Scheduler:
             if self.kv.reserve(req.request_id, self._prefill_slots(req, n)):
                 step.extends.append((req, n))
                 budget -= n
-        leaders = PrefillLeaders(self.kv, self.running) if self.kv.prefix_caching else None
+        leaders = None  # built for the first queued request that gets this far: most steps have none
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if not req.ready:
                 continue  # a grammar still compiling holds back only its own request
+            if leaders is None and self.kv.prefix_caching:
+                leaders = PrefillLeaders(self.kv, self.running)
             cached = self.kv.match_prefix(req.request_id, req.token_ids)
             if leaders is not None and leaders.computing_next_page(req.token_ids, cached):
                 self.kv.free(req.request_id)  # its cached pages: a waiting request holds none
@@ -197,10 +200,10 @@ class PrefillLeaders:
             self._file(leaders, req, index)
 
     def computing_next_page(self, token_ids: list[int], cached: int) -> bool:
+        if cached + self.kv.page_size >= len(token_ids):
+            return False  # no page past the cache to take: the last prompt token is always computed
         index = cached // self.kv.page_size
         key = self.kv.page_key(token_ids, index)
-        if key is None or cached + self.kv.page_size >= len(token_ids):
-            return False  # no page past the cache to take: the last prompt token is always computed
         leaders = self.by_page.get(index)
         if leaders is None:
             leaders = self.by_page[index] = {}

@@ -112,17 +112,15 @@ def engine_stats(engine: Engine) -> EngineStats:
     stats = engine.stats()
     steps = dict(stats["steps"])
     # Read with defaults what not every engine build reports: the graph runner's counters (without
-    # it every step is eager), its captured keys, speculative decoding's counts (when it is on), and
-    # the prefix cache's.
+    # it every step is eager), its captured keys, and speculative decoding's counts (when it is on).
     return EngineStats(
         steps=steps, kv_pages_free=stats["kv_pages_free"], kv_pages_total=stats["kv_pages_total"],
         running=stats["running"], waiting=stats["waiting"], preemptions=stats["preemptions"],
         graph_replays=stats.get("graph_replays", 0), compiled_steps=stats.get("compiled_steps", 0),
         eager_steps=stats.get("eager_steps", sum(steps.values())), kernel_compiles=stats.get("kernel_compiles", 0),
         spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
-        kv_pages_cached=stats.get("kv_pages_cached", 0),
-        prefix_cache_query_tokens=stats.get("prefix_cache_query_tokens", 0),
-        prefix_cache_hit_tokens=stats.get("prefix_cache_hit_tokens", 0),
+        kv_pages_cached=stats["kv_pages_cached"], prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
+        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
     )
 
 

@@ -17,15 +17,16 @@ def check_invariants(kv: KVCacheManager) -> None:
     every page is owned, free or idle in the cache, exactly once."""
     owners = Counter(p for table in kv.tables.values() for p in table)
     pool = kv.pool
-    assert all(n == 1 or p in pool.keys for p, n in owners.items()), "an unregistered page is owned twice"
+    assert all(n == 1 or p in pool.registered for p, n in owners.items()), "an unregistered page is owned twice"
     assert all(pool.refcount[p] == n for p, n in owners.items()), "a refcount is not its number of owners"
     free = pool.free_pages + list(pool.idle)
     assert DUMMY_PAGE not in owners and DUMMY_PAGE not in free
     assert len(free) == len(set(free))
     assert not set(owners) & set(free), "an owned page is also free"
     assert len(owners) + kv.num_free_pages == kv.num_total_pages, "pages leaked"
-    assert set(pool.idle) <= set(pool.keys) and not set(pool.free_pages) & set(pool.keys)
-    assert all(pool.index[key] == p for p, key in pool.keys.items()) and len(pool.index) == len(pool.keys)
+    assert set(pool.idle) <= set(pool.registered) and not set(pool.free_pages) & set(pool.registered)
+    assert all(pool.index[key] == p for p, (key, _) in pool.registered.items())
+    assert len(pool.index) == len(pool.registered)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
