@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from encore.backends.host_tensors import host_tensor
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "EXTEND"  # num_extends == bs
@@ -54,6 +56,29 @@ class StepShape:
         return self.num_tokens - self.num_decodes * self.q_len_per_req
 
 
+@dataclass(frozen=True, slots=True)
+class PendingInputs:
+    """Decode tokens of a step whose ids the step before it sampled and left on the device (overlapped
+    steps, engine/engine.py): token ``tokens[i]`` of the step is ``source[rows[i]]``. The host lists hold
+    a placeholder there; ``write`` puts the ids in on the device, in stream order after that step."""
+
+    tokens: list[int]  # indices in the unpadded step, increasing
+    source: torch.Tensor  # [N] int64, the sampled ids of the step before (one per logits row)
+    rows: list[int]  # logits rows of ``source``
+
+    def write(self, input_ids: torch.Tensor, offset: int = 0) -> None:
+        """Writes the ids into ``input_ids`` at ``tokens`` + ``offset`` (a padded step's decode tokens
+        sit ``offset`` further on: graphs/padding.py). Where both index lists are runs, one slice copy;
+        otherwise one small upload and a gather."""
+        n, first, row = len(self.tokens), self.tokens[0] + offset, self.rows[0]
+        if self.tokens[-1] - self.tokens[0] == n - 1 and self.rows == list(range(row, row + n)):
+            input_ids[first:first + n].copy_(self.source[row:row + n])
+            return
+        index = host_tensor([t + offset for t in self.tokens] + self.rows, torch.int64).to(
+            input_ids.device, non_blocking=True)
+        input_ids[index[:n]] = self.source[index[n:]]
+
+
 @dataclass(slots=True)
 class ForwardBatch(StepShape):
     """Everything a forward pass needs to know about one step.
@@ -67,6 +92,8 @@ class ForwardBatch(StepShape):
     The ``*_cpu`` lists are the host values the step was built from: a graph key's padded step is
     written from them in one host-to-device copy per dtype (graphs/padding.py). A batch built on the
     device (a draft step) has none of the per-token ones and cannot be padded to a key.
+    ``pending``: decode tokens whose ids are still on the device, in ``input_ids`` once
+    ``resolve_pending`` (or, padded, ``StepBuffers.fill``) has run.
     """
 
     num_extends: int
@@ -88,3 +115,10 @@ class ForwardBatch(StepShape):
     positions_cpu: list[int] | None = None
     slot_mapping_cpu: list[int] | None = None
     qo_indptr_cpu: list[int] | None = None
+    pending: PendingInputs | None = None
+
+    def resolve_pending(self) -> None:
+        """Writes the pending ids into ``input_ids`` (once)."""
+        if self.pending is not None:
+            self.pending.write(self.input_ids)
+            self.pending = None

@@ -49,6 +49,9 @@ class EngineConfig:
     Decode rows are capped at what ``max_num_seqs`` allows a step of the key's mode (the largest bucket
     then holds every step, a MIXED key's padded prefill rows taking it past ``max_num_seqs`` rows:
     graphs/keys.build_keys); keys with more tokens than ``max_num_batched_tokens`` are dropped.
+    ``overlap_schedule``: schedule and launch each step while the device still runs the one before
+    (engine/engine.py, "Overlapped steps"); None (the default) means on for CUDA, off for the CPU,
+    where there is no device work to overlap and a step's outputs would only come one call later.
     ``detokenize``: False leaves text and stop strings to the caller (the server process does them).
     ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
     ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist
@@ -79,6 +82,7 @@ class EngineConfig:
     graph_prefill_tokens: tuple[int, ...] = (128, 512)
     graph_extend_sizes: tuple[int, ...] = (1, 16)
     graph_cache_dir: str | None = None
+    overlap_schedule: bool | None = None
     speculative: SpecConfig | dict | None = None
     detokenize: bool = True
 
@@ -104,7 +108,7 @@ class EngineConfig:
         for name in ("enable_mixed_batch", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("compile", "cuda_graphs"):
+        for name in ("compile", "cuda_graphs", "overlap_schedule"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None (device default), got {getattr(self, name)!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
@@ -122,6 +126,10 @@ class EngineConfig:
     @property
     def use_compile(self) -> bool:
         return self.compile if self.compile is not None else self.device.startswith("cuda")
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        return self.overlap_schedule if self.overlap_schedule is not None else self.device.startswith("cuda")
 
     @property
     def use_cuda_graphs(self) -> bool:

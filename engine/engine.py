@@ -1,4 +1,19 @@
-"""The public engine API: add requests, step, stream outputs; ``generate`` for batch use."""
+"""The public engine API: add requests, step, stream outputs; ``generate`` for batch use.
+
+Overlapped steps (``EngineConfig.overlap_schedule``, on for CUDA). A step's host work — scheduling,
+building the step, padding it into the graph buffers, planning attention, reading the sampled ids
+back and committing them — otherwise runs while the device idles: on an H200 host, encore-tiny
+decoded at 0.33 ms a token at bs 1 this way and at 0.23 ms overlapped (benchmarks/README.md,
+"Overlapped steps"). So ``step`` launches step i + 1 before it reads
+step i's tokens: step i's sampled ids stay on the device, their rows hold ``request.PENDING`` in
+``token_ids``, and step i + 1's decode rows take their input ids from step i's output on the device
+(``ForwardBatch.pending``), in stream order. Each call thus returns the outputs of the step before the
+one it launched. Rows whose sampling reads host state that the previous token changes — a grammar's
+matcher, penalties' token counts — make their step a plain one, read back before the call returns;
+speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
+pending token (EOS, a stop string) runs one more step whose output is dropped; a row that ends by
+length is known to end and gets no next step. Tokens are the same as without overlap (CPU and GPU tests).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +24,10 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from encore.engine.config import EngineConfig
 from encore.graphs.runner import KeyReport
@@ -17,10 +35,11 @@ from encore.engine.detokenizer import IncrementalDetokenizer
 from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitmask
 from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import KVCacheManager
-from encore.engine.model_runner import ModelRunner
-from encore.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from encore.engine.model_runner import ModelBuilder, ModelRunner
+from encore.engine.request import PENDING, Request, RequestOutput, RequestStatus, TokenLogprob
+from encore.engine.sampler import SamplerOutput
 from encore.engine.sampling_params import SamplingParams
-from encore.engine.scheduler import Scheduler
+from encore.engine.scheduler import ScheduledStep, Scheduler
 from encore.engine.spec.speculator import RowResult, Speculator
 from encore.engine.step import build_forward_batch, sampling_tensors
 from encore.models.config import ModelConfig
@@ -59,12 +78,13 @@ class Engine:
     """
 
     def __init__(self, model: str | None = None, device: str = "auto",
-                 on_graph_key: Callable[[int, int, KeyReport], None] | None = None, **options) -> None:
+                 on_graph_key: Callable[[int, int, KeyReport], None] | None = None,
+                 build_model: ModelBuilder | None = None, **options) -> None:
         """``on_graph_key(done, total, report)`` is called as each graph key is compiled/captured at
-        start-up (progress for ``encore serve``); ``options`` are EngineConfig's fields."""
+        start-up (progress for ``encore serve``); ``build_model`` replaces loading the weights of
+        ``model`` (whose config.json still shapes it: benchmarks build random weights on the GPU);
+        ``options`` are EngineConfig's fields."""
         if device == "auto":
-            import torch
-
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if model is None:
             from encore.models.tiny import default_model_dir
@@ -76,7 +96,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self._encode = prompt_encoder(self.tokenizer)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(self.config, self.model_config, wanted_len)
+        self.runner = ModelRunner(self.config, self.model_config, wanted_len, build_model)
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
         progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
         self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step
@@ -103,6 +123,9 @@ class Engine:
         self._ids = itertools.count()
         self._steps = {"EXTEND": 0, "DECODE": 0, "MIXED": 0}
         self._preemptions = 0
+        self._overlap = self.config.use_overlap_schedule and self.speculator is None
+        self._in_flight: _InFlight | None = None
+        self._overlapped = 0  # steps launched before the previous step's tokens were read
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -166,16 +189,33 @@ class Engine:
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.forget(request_id)
+        self._drop_pending(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self._aborted.append(req)
 
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether steps overlap (module docstring); may be switched while nothing is in flight
+        (benchmarks compare both on one engine)."""
+        return self._overlap
+
+    @overlap_schedule.setter
+    def overlap_schedule(self, on: bool) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError("overlap_schedule can only change while no step is in flight")
+        if on and self.speculator is not None:
+            raise ValueError("speculative decoding does not overlap its steps")
+        self._overlap = on
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._aborted) or self.scheduler.has_work()
+        return bool(self._aborted) or self.scheduler.has_work() or self._in_flight is not None
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Runs one step and returns the outputs it completed: with overlapped steps, those of the
+        step launched by the call before (module docstring)."""
         outputs = [self._output(r, []) for r in self._aborted]
         for req in self._aborted:
             del self.requests[req.request_id]
@@ -184,10 +224,13 @@ class Engine:
         step = self.scheduler.schedule(spec.q_len if spec else 1, spec.lookahead if spec else 0)
         self._preemptions += len(step.preempted)
         if step.empty:
+            outputs.extend(self._complete_in_flight())
             return outputs
         if spec is not None:
             spec.prepare(step)
-        batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
+        in_flight, self._in_flight = self._in_flight, None
+        batch, sampled = build_forward_batch(step, self.kv, self.runner.device,
+                                             in_flight.token_ids if in_flight is not None else None)
         self._steps[batch.mode.value] += 1
         if spec is not None:
             groups = [(r.grammar, []) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
@@ -196,24 +239,59 @@ class Engine:
             groups = [(r.grammar, []) for r in sampled]
         vocab = self.model_config.vocab_size
         masks = partial(step_bitmask, groups, vocab)  # built on the host while the device runs the forward
-        results = spec.run(step, batch, sampled, masks) if spec is not None else self._sample(batch, sampled, masks)
+        if spec is not None:
+            results = spec.run(step, batch, sampled, masks)
+        else:
+            out = self._sample(batch, sampled, masks)
         for req, n in step.extends:
             req.num_computed += n
-        for res in results[len(results) - len(step.decodes):]:
-            res.request.num_computed += 1 + (res.num_accepted or 0)
-        outputs.extend(self._commit(results))
+        if spec is not None:
+            for res in results[len(results) - len(step.decodes):]:
+                res.request.num_computed += 1 + (res.num_accepted or 0)
+        else:
+            for req in step.decodes:
+                req.num_computed += 1
+            if self._overlap and not any(r.grammar is not None or r.params.uses_penalties for r in sampled):
+                self._in_flight = self._hold(step, sampled, out)
+                self._overlapped += 1
+            else:
+                results = self._row_results(sampled, _HostCopy(out))
+        if in_flight is not None:
+            outputs.extend(self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots))
+        if self._in_flight is None:
+            outputs.extend(self._commit(results))
         self.scheduler.cache_pages(step)
         return outputs
 
-    def _sample(self, batch, sampled: list[Request], masks) -> list[RowResult]:
+    def _complete_in_flight(self) -> list[RequestOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        outputs = self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots)
+        self.scheduler.cache_pages(in_flight.step)
+        return outputs
+
+    def _sample(self, batch, sampled: list[Request], masks) -> SamplerOutput:
+        """Launches the forward and the pick of every logits row; the ids stay on the device."""
         if plain_greedy(sampled):  # no sampling tensors, and on a DECODE key its greedy head graph
-            return [RowResult(req, [token], None, None)
-                    for req, token in zip(sampled, self.runner.run_greedy(batch).tolist())]
-        result = self.runner.run(batch, sampling_tensors(sampled, self.runner.device), masks)
-        token_ids = result.token_ids.tolist()
-        logprobs = None
-        if result.logprobs is not None:
-            logprobs = (result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist())
+            return SamplerOutput(self.runner.run_greedy(batch), None, None, None)
+        return self.runner.run(batch, sampling_tensors(sampled, self.runner.device), masks)
+
+    def _hold(self, step: ScheduledStep, sampled: list[Request], out: SamplerOutput) -> _InFlight:
+        """Leaves a launched step's ids on the device: each logits row's request holds a placeholder
+        for its token (read by the next call, ``_commit``) and feeds it to its next step from there."""
+        slots = []
+        for row, req in enumerate(sampled):
+            slots.append(len(req.token_ids))
+            req.token_ids.append(PENDING)
+            req.num_pending += 1
+            req.pending_row = row
+            req.final_pending = (req.num_output_tokens >= req.params.max_tokens
+                                 or len(req.token_ids) >= self.max_model_len)
+        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True))
+
+    def _row_results(self, sampled: list[Request], host: _HostCopy) -> list[RowResult]:
+        token_ids, logprobs = host.lists()
         results = []
         for row, (req, token) in enumerate(zip(sampled, token_ids)):
             lp = None
@@ -223,30 +301,40 @@ class Engine:
             results.append(RowResult(req, [token], lp, None))
         return results
 
-    def _commit(self, results: list[RowResult]) -> list[RequestOutput]:
-        """Appends each row's emitted tokens in order, stopping at the first that finishes it. The text
-        is decoded token by token where a stop string may end it, else once for a row's kept tokens
-        (a verify row emits up to 1 + k)."""
+    def _commit(self, results: list[RowResult], slots: list[int] | None = None) -> list[RequestOutput]:
+        """Appends each row's emitted tokens in order, stopping at the first that finishes it; with
+        ``slots`` (an overlapped step: one token a row), each token replaces its placeholder at that
+        index of the request's ``token_ids``. A row whose request ended while its step was in flight is
+        dropped. The text is decoded token by token where a stop string may end it, else once for a
+        row's kept tokens (a verify row emits up to 1 + k)."""
         outputs = []
         eos = self.eos_token_ids
-        for res in results:
+        for i, res in enumerate(results):
             req = res.request
+            if req.finished:
+                continue
             if res.num_accepted is not None:
                 req.num_drafted += res.num_drafted
                 req.num_accepted += res.num_accepted
             new: list[int] = []
             stops = req.detokenizer.stop
-            for i, token in enumerate(res.tokens):
-                req.token_ids.append(token)
+            for j, token in enumerate(res.tokens):
+                if slots is None:
+                    req.token_ids.append(token)
+                    end = len(req.token_ids)
+                else:
+                    end = slots[i] + 1
+                    req.token_ids[end - 1] = token
+                    req.num_pending -= 1
                 new.append(token)
                 if res.logprobs is not None:
-                    req.logprobs.append(res.logprobs[i])
+                    req.logprobs.append(res.logprobs[j])
                 stop_string = req.detokenizer.add([token]) if stops and token not in eos else None
-                reason = self._finish_reason(req, token, stop_string)
+                reason = self._finish_reason(req, token, stop_string, end)
                 if req.grammar is not None and req.grammar.accept([token]) and reason is None:
                     reason = "stop"  # the grammar has terminated
                 if reason is not None:
-                    self._finish(req, reason)
+                    self._finish(req, reason, end)
                     break
             if not stops:
                 req.detokenizer.add_many([token for token in new if token not in eos])
@@ -255,7 +343,12 @@ class Engine:
             outputs.append(self._output(req, new))
         return outputs
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, end: int) -> None:
+        """Ends the request at its token ``end - 1``; any placeholder after it is dropped."""
+        if req.num_pending:
+            del req.token_ids[end:]
+            req.num_pending = 0
+            req.num_computed = min(req.num_computed, end - 1)
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
@@ -263,13 +356,21 @@ class Engine:
         req.finish_reason = reason
         del self.requests[req.request_id]
 
-    def _finish_reason(self, req: Request, token: int, stop_string: str | None) -> str | None:
+    @staticmethod
+    def _drop_pending(req: Request) -> None:
+        """An aborted request's placeholders go: it keeps only the tokens it was given."""
+        if req.num_pending:
+            del req.token_ids[-req.num_pending:]
+            req.num_pending = 0
+
+    def _finish_reason(self, req: Request, token: int, stop_string: str | None, end: int) -> str | None:
+        """Why the request ends at its token ``end - 1`` (``token``), if it does."""
         params = req.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
         if stop_string is not None:
             return "stop"
-        if req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if end - len(req.prompt_token_ids) >= params.max_tokens or end >= self.max_model_len:
             return "length"
         return None
 
@@ -278,7 +379,7 @@ class Engine:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sequence=req.token_ids,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=req.num_committed - len(req.prompt_token_ids),
             text=req.detokenizer.text,
             new_token_ids=new_tokens,
             new_text=req.detokenizer.take_delta(req.finished),
@@ -323,6 +424,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self._preemptions,
+            "overlapped_steps": self._overlapped,
             "kv_pages_cached": self.kv.num_cached_pages,
             "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
@@ -330,3 +432,38 @@ class Engine:
             **self.runner.graph_stats(),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+
+class _HostCopy:
+    """A step's sampled ids (and logprobs) for the host. ``behind``: copied on the device's stream
+    behind the step, read once an event says they have landed, so nothing waits for the device until
+    then (overlapped steps); otherwise read at once."""
+
+    def __init__(self, out: SamplerOutput, behind: bool = False) -> None:
+        tensors = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        self.event = None
+        if behind and out.token_ids.is_cuda:
+            tensors = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in tensors)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def lists(self) -> tuple[list[int], tuple[list, list, list] | None]:
+        """(token ids, (logprobs, top ids, top logprobs) or None), as lists per logits row."""
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids, logprobs, top_ids, top_logprobs = self.tensors
+        if logprobs is None:
+            return token_ids.tolist(), None
+        return token_ids.tolist(), (logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist())
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled ids are still on the device (module docstring)."""
+
+    step: ScheduledStep
+    sampled: list[Request]  # per logits row
+    slots: list[int]  # per logits row: where its placeholder sits in the request's token_ids
+    token_ids: torch.Tensor  # [N] on the device: what the next step's decode rows read
+    host: _HostCopy

@@ -223,6 +223,7 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over ``batch`` as written, the backend planned on the host: hidden [T, hidden]."""
+        batch.resolve_pending()
         with self.context.bind(batch):
             self.backend.plan(batch)
             return self.model(batch.input_ids, batch.positions, batch)

@@ -10,6 +10,9 @@ from encore.engine.grammar import RequestGrammar
 from encore.engine.sampling_params import SamplingParams
 
 
+PENDING = -1  # in ``Request.token_ids``: a token sampled by the step in flight, not read yet
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -25,8 +28,14 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Request:
-    """``token_ids`` is prompt + output; ``num_computed`` of them have their KV in the cache.
-    ``draft_token_ids`` are speculative tokens proposed for the next verify step (not yet output)."""
+    """``token_ids`` is prompt + output; ``num_computed`` of them have their KV in the cache (or will
+    have, once the step in flight has run). ``draft_token_ids`` are speculative tokens proposed for
+    the next verify step (not yet output).
+
+    Overlapped steps (engine.py): a token sampled by a step still on the device is held in
+    ``token_ids`` by ``PENDING`` until it is read; ``num_pending`` counts those placeholders (always the
+    last entries), ``pending_row`` is the logits row of the newest one in its step, and
+    ``final_pending`` says that it is the request's last token by length, so it needs no next step."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +53,9 @@ class Request:
     grammar: RequestGrammar | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held when it was first admitted
+    num_pending: int = 0
+    pending_row: int = -1
+    final_pending: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -67,9 +79,15 @@ class Request:
         return self.num_output_tokens > 0 and self.num_uncomputed == 1
 
     @property
+    def num_committed(self) -> int:
+        """Tokens known on the host: ``token_ids`` without the pending placeholders."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def ready(self) -> bool:
-        """False while its grammar is still compiling (it is not admitted before)."""
-        return self.grammar is None or self.grammar.ready()
+        """False while its grammar is still compiling, or (preempted) while a step in flight has yet
+        to give it its last token: it is not admitted before."""
+        return not self.num_pending and (self.grammar is None or self.grammar.ready())
 
     @property
     def finished(self) -> bool:

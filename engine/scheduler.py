@@ -40,6 +40,10 @@ class Scheduler:
     goes to prefill chunks: unfinished prompts first, then waiting requests in arrival order
     (a waiting request that cannot get pages blocks those behind it, so none is starved).
     With ``mixed`` off a step is either all prefill or all decode (prefill first).
+
+    While a step is in flight (overlapped steps, engine.py) a request's last token may not be known yet:
+    its decode row feeds it from the device; one whose last token ends it by length
+    (``Request.final_pending``) gets no row, and a preempted one waits until the token is known.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, chunked_prefill_size: int,
@@ -76,11 +80,12 @@ class Scheduler:
         chains, root = kv.chains, (kv.page_size, ROOT)
         for req in itertools.chain((req for req, _ in step.extends), step.decodes):
             if req.num_computed >= chains.get(req.request_id, root)[0] and not req.finished:
-                kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
+                kv.cache_pages(req.request_id, req.token_ids, min(req.num_computed, req.num_committed))
 
     def _release(self, req: Request) -> None:
-        """Frees the request's pages, registering first those it filled (they outlive it, idle)."""
-        self.kv.cache_pages(req.request_id, req.token_ids, req.num_computed)
+        """Frees the request's pages, registering first those it filled (they outlive it, idle): those
+        of known tokens only, not of a token the step in flight has yet to give."""
+        self.kv.cache_pages(req.request_id, req.token_ids, min(req.num_computed, req.num_committed))
         self.kv.free(req.request_id)
 
     def has_work(self) -> bool:
@@ -98,8 +103,8 @@ class Scheduler:
                 self._schedule_prefills(step, self.max_num_batched_tokens)
                 if step.empty:
                     self._schedule_decodes(step, self.max_num_batched_tokens)
-            if not step.empty or not self.running:
-                return step
+            if not step.empty or all(req.final_pending for req in self.running):
+                return step  # (rows whose last token is in flight end when it is read: nothing to preempt)
             # Partial prefills hold every page and none can grow: recompute the newest later.
             self._preempt(self.running[-1], step)
 
@@ -107,7 +112,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if not req.is_decoding:
+            if not req.is_decoding or req.final_pending:
                 i += 1
                 continue
             if budget < step.q_len_per_req:

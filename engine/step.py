@@ -7,20 +7,21 @@ from itertools import accumulate
 import torch
 
 from encore.backends.host_tensors import upload
-from encore.backends.metadata import ForwardBatch
+from encore.backends.metadata import ForwardBatch, PendingInputs
 from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager
 from encore.engine.request import Request
 from encore.engine.sampler import SamplingTensors, needs_token_history
 from encore.engine.scheduler import ScheduledStep
 
 
-def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.device
-                        ) -> tuple[ForwardBatch, list[Request]]:
+def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.device,
+                        in_flight: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Request]]:
     """Returns the batch and, per logits row, the request it samples for.
 
     Prefill rows produce a logits row only when the chunk completes the request's pending tokens;
     decode rows feed their last token plus ``q_len_per_req - 1`` draft tokens and produce a logits
-    row per token.
+    row per token. A decode row whose last token the step in flight sampled (``Request.num_pending``)
+    feeds it from ``in_flight``, that step's sampled ids on the device (``ForwardBatch.pending``).
     """
     page_size = kv.page_size
     q = step.q_len_per_req
@@ -48,9 +49,17 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
             gather_ids.append(qo_indptr[-1] - 1)
             sampled.append(req)
     first = qo_indptr[-1]  # the decode rows' tokens follow the prefill rows', q each: all logits rows
+    pending_tokens: list[int] = []
+    pending_rows: list[int] = []
     for req in step.decodes:
         start = req.num_computed
         table = kv.table(req.request_id)
+        if req.num_pending:
+            if in_flight is None or q != 1 or req.num_pending != 1:
+                raise RuntimeError(f"decode row {req.request_id!r} feeds a token no step in flight holds "
+                                   f"({req.num_pending} pending, q_len_per_req {q})")
+            pending_tokens.append(len(input_ids))
+            pending_rows.append(req.pending_row)
         fed = req.token_ids[start:start + 1] + req.draft_token_ids[:q - 1] if q > 1 else req.token_ids[start:start + 1]
         if len(fed) != q:
             raise ValueError(f"decode row {req.request_id!r} has {len(fed) - 1} draft tokens; "
@@ -69,8 +78,11 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     qo_indptr += range(first + q, first + q * num_decodes + 1, q)
     gather_ids += range(first, first + q * num_decodes)
     sampled += step.decodes if q == 1 else [req for req in step.decodes for _ in range(q)]
-    return pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
-                      prefix_lens, qo_indptr, tables, gather_ids, device), sampled
+    batch = pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
+                       prefix_lens, qo_indptr, tables, gather_ids, device)
+    if pending_tokens:
+        batch.pending = PendingInputs(pending_tokens, in_flight, pending_rows)
+    return batch, sampled
 
 
 def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: list[int], positions: list[int],

@@ -131,6 +131,8 @@ class StepBuffers:
                 view_at(ints32, ints_at, bs), view_at(ints32, ints_at + 4 * bs, bs),
                 view_at(ints32, ints_at + 8 * bs, bs + 1))
         input_ids, positions_d, slots_d, seq_lens, prefix_lens, qo_indptr = views
+        if batch is not None and batch.pending is not None:  # decode tokens: past the bucket's padding
+            batch.pending.write(input_ids, bucket)
         return ForwardBatch(
             num_extends=E, q_len_per_req=q, bs=bs, num_tokens=T, page_size=self.page_size,
             input_ids=input_ids, positions=positions_d, slot_mapping=slots_d,

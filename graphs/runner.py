@@ -158,6 +158,7 @@ class GraphRunner:
         if self.compiled is None or batch.mode not in self.families:
             return None
         key = GraphKey(batch.num_extends, batch.q_len_per_req, batch.bs, batch.num_tokens)
+        batch.resolve_pending()
         with self.context.bind(batch):
             self.backend.plan(batch)
             hidden = self.compiled.run_unkeyed(key, batch)

@@ -1,0 +1,210 @@
+"""Overlapped steps (engine.py): each step is launched before the previous one's tokens are read, and
+the requests come out exactly as without overlap — tokens, text, logprobs, finish reasons — whatever
+ends them (length, EOS, stop strings and ids, abort, the context), with arrivals between steps,
+preemption, the prefix cache, and rows that cannot overlap (grammar, penalties) in the same batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encore.engine import Engine, SamplingParams
+from encore.engine.request import PENDING
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n", "for i in range(10):\n",
+           "Hello", "The quick brown fox jumps over the lazy dog. " * 3]
+
+
+def engine(overlap: bool, **options) -> Engine:
+    return Engine(device="cpu", overlap_schedule=overlap, seed=3, **options)
+
+
+def run(engine: Engine, arrivals: dict[int, list[tuple[str, str, SamplingParams]]],
+        aborts: dict[int, list[str]] | None = None) -> dict[str, tuple]:
+    """Steps ``engine`` until it is idle; ``arrivals[i]`` / ``aborts[i]`` happen before step call i.
+    Returns each request's final output as (token ids, text, finish reason, logprobs), and checks every
+    output on the way: no placeholder ever shows, and the deltas add up to the final tokens."""
+    aborts = aborts or {}
+    streamed: dict[str, list[int]] = {}
+    final: dict[str, tuple] = {}
+    call = 0
+    while engine.has_unfinished_requests() or call <= max(arrivals, default=0):
+        for rid, prompt, params in arrivals.get(call, []):
+            engine.add_request(rid, prompt, params)
+        for rid in aborts.get(call, []):
+            engine.abort(rid)
+        for out in engine.step():
+            assert PENDING not in out.token_ids and PENDING not in out.new_token_ids
+            assert len(out.token_ids) == out.num_output_tokens
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert streamed[out.request_id] == out.token_ids
+            if out.finished:
+                logprobs = [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in out.logprobs or []]
+                final[out.request_id] = (out.token_ids, out.text, out.finish_reason, logprobs)
+        call += 1
+    assert engine.kv.num_free_pages == engine.kv.num_total_pages  # every page back (free or idle)
+    assert not any(engine.kv.pool.refcount)
+    return final
+
+
+def both(arrivals, aborts=None, same_steps=True, **options) -> tuple[dict, dict, Engine]:
+    """Runs ``arrivals`` without and with overlap; unless told otherwise, the steps run are the same
+    (a row that ends by length at a token in flight gets no next step)."""
+    off, on = engine(False, **options), engine(True, **options)
+    results = run(off, arrivals, aborts), run(on, arrivals, aborts)
+    if same_steps and not aborts:
+        assert on.stats()["steps"] == off.stats()["steps"]
+    return *results, on
+
+
+def test_same_requests_as_without_overlap_with_arrivals_between_steps():
+    params = [SamplingParams(max_tokens=12, temperature=0.0),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, seed=11, logprobs=3),
+              SamplingParams(max_tokens=1, temperature=0.0),  # ends at its prefill's token
+              SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)]
+    arrivals = {0: [(f"a{i}", PROMPTS[i], p) for i, p in enumerate(params[:3])],
+                2: [("b0", PROMPTS[3], params[3]), ("b1", PROMPTS[4], params[4])],
+                5: [("c0", PROMPTS[5], params[0])]}
+    off, on, engine_on = both(arrivals)
+    assert on == off
+    assert all(len(tokens) == params[0].max_tokens for tokens, *_ in (off["a0"], off["c0"]))
+    stats = engine_on.stats()
+    assert stats["overlapped_steps"] == sum(stats["steps"].values())  # every step overlapped
+
+
+def test_rows_that_end_on_a_token_still_in_flight():
+    """A row that ends at a token the next step was launched on (EOS, a stop token, a stop string) is
+    dropped from that step; a stop string ending inside the text trims it as without overlap."""
+    probe = engine(False).generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=12, temperature=0.0))
+    stop_token = probe[0].token_ids[3]
+    stop_text = probe[1].text[4:7]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_token,)),
+              SamplingParams(max_tokens=12, temperature=0.0, stop=(stop_text,)),
+              SamplingParams(max_tokens=12, temperature=0.0)]
+    arrivals = {0: [("stop-id", PROMPTS[0], params[0]), ("stop-str", PROMPTS[2], params[1]),
+                    ("length", PROMPTS[3], params[2])]}
+    off, on, _ = both(arrivals)
+    assert on == off
+    assert off["stop-id"][0][-1] == stop_token and off["stop-id"][2] == "stop"
+    assert off["stop-str"][2] == "stop" and stop_text not in off["stop-str"][1]
+
+
+def test_eos_ends_a_row_in_flight(monkeypatch):
+    probe = engine(False).generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.0))
+    eos = probe[0].token_ids[4]
+    arrivals = {0: [("r", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0)),
+                    ("s", PROMPTS[4], SamplingParams(max_tokens=12, temperature=0.0))]}
+    results = []
+    for overlap in (False, True):
+        e = engine(overlap)
+        e.eos_token_ids = frozenset({eos})
+        results.append(run(e, arrivals))
+    assert results[0] == results[1]
+    assert results[0]["r"][0][-1] == eos and len(results[0]["r"][0]) == 5 and results[0]["r"][2] == "stop"
+
+
+def test_abort_while_its_token_is_in_flight():
+    """An abort drops the token still in flight (the client has not seen it): the aborted request
+    ends with a prefix of its tokens, the others are untouched, and every page comes back (``run``)."""
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    arrivals = {0: [(f"r{i}", PROMPTS[i], params) for i in range(4)]}
+    full = run(engine(False), arrivals)
+    off, on, _ = both(arrivals, aborts={3: ["r1"], 4: ["r2"]})
+    for rid in ("r1", "r2"):
+        assert on[rid][2] == off[rid][2] == "abort"
+        assert 0 < len(on[rid][0]) <= len(off[rid][0]) < 20
+        assert full[rid][0][:len(off[rid][0])] == off[rid][0]
+        assert off[rid][0][:len(on[rid][0])] == on[rid][0]
+    assert {rid: on[rid] for rid in ("r0", "r3")} == {rid: off[rid] for rid in ("r0", "r3")}
+
+
+def test_preemption_with_tokens_in_flight():
+    """A pool too small for every row: requests are preempted (some with a token still in flight) and
+    recomputed, and still come out as without overlap, and as with room for all. (A request preempted
+    with a token in flight waits for it, so the steps differ.)"""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", PROMPTS[i], params) for i in range(5)]}
+    off, on, engine_on = both(arrivals, same_steps=False, page_size=4, num_kv_pages=24,
+                              enable_prefix_caching=False)
+    roomy = run(engine(True), arrivals)
+    assert on == off == roomy
+    assert engine_on.stats()["preemptions"] > 0
+
+
+def test_context_end_by_length():
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("r", PROMPTS[0], params), ("s", PROMPTS[4], params)]}
+    off, on, _ = both(arrivals, max_model_len=24)
+    assert on == off
+    assert off["r"][2] == "length" and len(off["r"][0]) < 100
+
+
+def test_prefix_cache_hits_the_same():
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    shared = PROMPTS[5]
+    arrivals = {0: [("first", shared + "one", params)], 3: [(f"r{i}", shared + q, params) for i, q in
+                                                           enumerate(["two", "three", "four"])]}
+    off, on, engine_on = both(arrivals, page_size=4)
+    assert on == off
+    assert engine_on.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["grammar", "penalties"])
+def test_rows_that_cannot_overlap_run_plain_steps_beside_others(kind):
+    """A grammar's matcher and penalties' counts need the previous token on the host: their steps are
+    read back at once, in order after the step in flight, and the others overlap while they run."""
+    special = (SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]+ [0-9]+") if kind == "grammar" else
+               SamplingParams(max_tokens=8, temperature=0.7, seed=5, repetition_penalty=1.3, presence_penalty=0.5))
+    plain = SamplingParams(max_tokens=16, temperature=0.0)
+    arrivals = {0: [("plain0", PROMPTS[0], plain), ("plain1", PROMPTS[1], plain)],
+                3: [("special", PROMPTS[2], special)]}
+    off, on, engine_on = both(arrivals)
+    assert on == off
+    stats = engine_on.stats()
+    assert 0 < stats["overlapped_steps"] < sum(stats["steps"].values())
+
+
+GPU_KEYS = dict(max_model_len=256, max_num_seqs=16, graph_decode_sizes=(1, 2, 4, 8, 16),
+                graph_mixed_decode_sizes=(4, 16), graph_prefill_tokens=(64,), graph_extend_sizes=(1, 4),
+                graph_mixed_extends=(1, 4))
+
+
+def id_prompt(i: int, n: int) -> list[int]:
+    return [(31 * i + 7 * j) % 250 + 5 for j in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("triton", "bfloat16"),
+                                           ("flashinfer", "bfloat16")])
+def test_cuda_graph_steps_overlap_with_the_same_tokens(backend, dtype, tmp_path):
+    """On the GPU the next step is launched while the device runs the previous one: its decode rows'
+    ids come from the previous step's output on the device (greedy head graphs, the sampler), into the
+    padded graph buffers and into steps that no key holds (a 100-token prompt beside decode rows). The
+    steps are the same as without overlap, so even bf16 gives the very same tokens."""
+    model = None
+    if backend == "flashinfer":  # encore-tiny's MLA widths are not among flashinfer's
+        pytest.importorskip("flashinfer")
+        from checkpoints import write_checkpoint
+
+        model = str(write_checkpoint("v2_lite", tmp_path, overrides=dict(kv_lora_rank=128, qk_nope_head_dim=128,
+                                                                         qk_rope_head_dim=64, v_head_dim=128)))
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.9, top_k=50, seed=9, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, logprobs=2)]
+    arrivals = {0: [(f"a{i}", id_prompt(i, 5 + 3 * i), params[i % 3]) for i in range(3)],
+                2: [(f"b{i}", id_prompt(i % 3, 40), params[(i + 1) % 3]) for i in range(6)],
+                4: [("c", id_prompt(7, 100), params[0])]}
+    results, stats = [], []
+    for overlap in (False, True):
+        e = Engine(model, device="cuda", dtype=dtype, attention_backend=backend, overlap_schedule=overlap, seed=3,
+                   **GPU_KEYS)
+        results.append(run(e, arrivals))
+        stats.append(e.stats())
+    assert results[1] == results[0]
+    assert stats[1]["steps"] == stats[0]["steps"]
+    assert stats[1]["overlapped_steps"] == sum(stats[1]["steps"].values())
+    assert stats[1]["graph_replays"] > 0 and stats[1]["head_graph_replays"] > 0
+    assert stats[1]["compiled_steps"] > 0  # the long prompt's step, on no key
+    assert stats[1]["eager_steps"] == stats[0]["eager_steps"]
