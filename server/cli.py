@@ -94,6 +94,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="run the model eagerly (default: compiled on CUDA)")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                        help="do not capture CUDA graphs (default: captured on CUDA)")
+    group.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false", default=None,
+                       help="read each step's tokens before launching the next (default on CUDA: the next step "
+                            "is launched while the device runs the previous one)")
     group.add_argument("--speculative-method", choices=("mtp", "eagle3", "ngram"),
                        help="speculative decoding with the checkpoint's MTP layer, an EAGLE-3 drafter or n-gram lookup")
     group.add_argument("--draft-model", help="the EAGLE-3 draft model's directory (--speculative-method eagle3)")
@@ -102,7 +105,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
                 "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
-                "enable_prefix_caching", "compile", "cuda_graphs")
+                "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

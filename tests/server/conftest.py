@@ -12,9 +12,10 @@ from encore.server.config import ServerConfig
 
 @pytest.fixture(scope="session")
 def server(v3_dir):
-    """The shared server: API key required, 1 MiB messages."""
+    """The shared server: API key required, 1 MiB messages; its engine overlaps its steps, as on CUDA,
+    where the in-process reference does not."""
     config = ServerConfig(port=0, api_key=API_KEY, max_message_bytes=1 << 20, metrics_port=0)
-    handle = ServerThread(config, engine_kwargs(v3_dir)).listen()
+    handle = ServerThread(config, engine_kwargs(v3_dir, overlap_schedule=True)).listen()
     handle.start_engine()
     yield handle
     handle.stop()

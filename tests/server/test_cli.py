@@ -102,11 +102,11 @@ def test_engine_options_pass_through_and_unset_ones_keep_the_engine_defaults():
         ["serve", "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--attention-backend", "torch",
          "--max-num-batched-tokens", "512", "--chunked-prefill-size", "128", "--page-size", "8", "--num-kv-pages", "99",
          "--max-num-seqs", "7", "--max-model-len", "300", "--seed", "3", "--no-mixed-batch",
-         "--no-prefix-caching"])
+         "--no-prefix-caching", "--no-overlap-schedule"])
     assert engine_kwargs(args) == {
         "model": "m", "device": "cpu", "dtype": "bfloat16", "attention_backend": "torch", "max_num_batched_tokens": 512,
         "chunked_prefill_size": 128, "page_size": 8, "num_kv_pages": 99, "max_num_seqs": 7, "max_model_len": 300,
-        "seed": 3, "enable_mixed_batch": False, "enable_prefix_caching": False}
+        "seed": 3, "enable_mixed_batch": False, "enable_prefix_caching": False, "overlap_schedule": False}
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "hi"])) == {"model": "m",
                                                                                           "device": "auto"}
     assert engine_kwargs(build_parser().parse_args(["serve"]))["model"] == str(default_model_dir())
