@@ -123,6 +123,24 @@ def _row_pages(page_table: torch.Tensor, rows: _Rows) -> torch.Tensor:
     return torch.nn.functional.pad(pages, (0, rows.num_pages - rows.table_pages), value=DUMMY_PAGE)
 
 
+class _PinnedUploads:
+    """Around a wrapper's plan: flashinfer writes a plan into the wrapper's pinned host buffer and copies
+    it to the device in stream order. With overlapped steps (engine/engine.py) the next plan may come
+    before the device has run the last one's copy, so entering waits for that copy (in practice done
+    long since: the device had finished the step before it) and leaving marks the new one."""
+
+    def __init__(self) -> None:
+        self._copied: torch.cuda.Event | None = None
+
+    def __enter__(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def __exit__(self, *exc) -> None:
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+
 class _Replanner:
     """Re-plans a CUDA-graph wrapper that ``wrapper.plan`` has planned once, through the native planner
     that plan called (flashinfer's generated fa2/fa3 module), then refreshes the reserved metadata
@@ -182,6 +200,7 @@ class _MLAPlan:
         self.static = rows is not None
         self.planned = False
         self.replanner: _Replanner | None = None
+        self._fence = _PinnedUploads()
         self.slow_replans = 0  # static re-plans that went through wrapper.plan
         if rows is None:
             self.wrapper = BatchMLAPagedAttentionWrapper(workspace)
@@ -196,6 +215,11 @@ class _MLAPlan:
 
     def plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
              dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        with self._fence:
+            self._plan(rows, page_table, dims, page_size, causal, dtype, kv_dtype)
+
+    def _plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
+              dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         from flashinfer.mla import MLAPlanMetadata
 
         kv_indices = _row_pages(page_table, rows)  # [pages]
@@ -259,6 +283,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self._ragged_fence = _PinnedUploads()
         self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
         self._eager_prefill_mla = _MLAPlan(self.workspace, None, None)
         self._static: dict[tuple, _MLAPlan] = {}
@@ -335,10 +360,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
         kv_indptr = torch.zeros(E + 1, dtype=torch.int32)
         torch.cumsum(kv_len.int(), 0, out=kv_indptr[1:])
-        self._ragged.plan(qo_indptr, kv_indptr, num_qo_heads=heads, num_kv_heads=heads,
-                          head_dim_qk=self.dims.qk_nope_head_dim + self.dims.qk_rope_head_dim,
-                          head_dim_vo=self.dims.v_head_dim, causal=True, sm_scale=self.dims.softmax_scale,
-                          q_data_type=self.kv_caches[0].dtype)
+        with self._ragged_fence:
+            self._ragged.plan(qo_indptr, kv_indptr, num_qo_heads=heads, num_kv_heads=heads,
+                              head_dim_qk=self.dims.qk_nope_head_dim + self.dims.qk_rope_head_dim,
+                              head_dim_vo=self.dims.v_head_dim, causal=True, sm_scale=self.dims.softmax_scale,
+                              q_data_type=self.kv_caches[0].dtype)
         return _RaggedPrefill(slots, int(qo_indptr[-1]))
 
     def prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
