@@ -8,9 +8,10 @@ decoded at 0.33 ms a token at bs 1 this way and at 0.23 ms overlapped (benchmark
 step i's tokens: step i's sampled ids stay on the device, their rows hold ``request.PENDING`` in
 ``token_ids``, and step i + 1's decode rows take their input ids from step i's output on the device
 (``ForwardBatch.pending``), in stream order. Each call thus returns the outputs of the step before the
-one it launched. Rows whose sampling reads host state that the previous token changes — a grammar's
-matcher, penalties' token counts — make their step a plain one, read back before the call returns;
-speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
+one it launched. Where a step's sampling reads host state that the previous token changes — a
+grammar's matcher, penalties' token counts — the step in flight is read and committed as soon as the
+step's forward is launched, and the mask and counts are built while the device runs it. Speculative
+decoding does not overlap. What a step launched on a guess costs: a row that ends at its
 pending token (EOS, a stop string) runs one more step whose output is dropped; a row that ends by
 length is known to end and gets no next step. Tokens are the same as without overlap (CPU and GPU tests).
 """
@@ -37,7 +38,7 @@ from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelBuilder, ModelRunner
 from encore.engine.request import PENDING, Request, RequestOutput, RequestStatus, TokenLogprob
-from encore.engine.sampler import SamplerOutput
+from encore.engine.sampler import SamplerOutput, SamplingTensors
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.scheduler import ScheduledStep, Scheduler
 from encore.engine.spec.speculator import RowResult, Speculator
@@ -226,42 +227,64 @@ class Engine:
         if step.empty:
             outputs.extend(self._complete_in_flight())
             return outputs
-        if spec is not None:
-            spec.prepare(step)
-        in_flight, self._in_flight = self._in_flight, None
-        batch, sampled = build_forward_batch(step, self.kv, self.runner.device,
-                                             in_flight.token_ids if in_flight is not None else None)
-        self._steps[batch.mode.value] += 1
-        if spec is not None:
-            groups = [(r.grammar, []) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
-            groups += [(r.grammar, r.draft_token_ids) for r in step.decodes]
-        else:
-            groups = [(r.grammar, []) for r in sampled]
-        vocab = self.model_config.vocab_size
-        masks = partial(step_bitmask, groups, vocab)  # built on the host while the device runs the forward
-        if spec is not None:
-            results = spec.run(step, batch, sampled, masks)
-        else:
-            out = self._sample(batch, sampled, masks)
-        for req, n in step.extends:
-            req.num_computed += n
-        if spec is not None:
-            for res in results[len(results) - len(step.decodes):]:
-                res.request.num_computed += 1 + (res.num_accepted or 0)
-        else:
-            for req in step.decodes:
-                req.num_computed += 1
-            if self._overlap and not any(r.grammar is not None or r.params.uses_penalties for r in sampled):
-                self._in_flight = self._hold(step, sampled, out)
-                self._overlapped += 1
-            else:
-                results = self._row_results(sampled, _HostCopy(out))
-        if in_flight is not None:
-            outputs.extend(self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots))
-        if self._in_flight is None:
-            outputs.extend(self._commit(results))
+        outputs.extend(self._speculative_step(step) if spec is not None else self._plain_step(step))
         self.scheduler.cache_pages(step)
         return outputs
+
+    def _speculative_step(self, step: ScheduledStep) -> list[RequestOutput]:
+        spec = self.speculator
+        spec.prepare(step)
+        batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
+        self._steps[batch.mode.value] += 1
+        groups = [(r.grammar, []) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
+        groups += [(r.grammar, r.draft_token_ids) for r in step.decodes]
+        # The mask is built on the host while the device runs the forward.
+        results = spec.run(step, batch, sampled, partial(step_bitmask, groups, self.model_config.vocab_size))
+        for req, n in step.extends:
+            req.num_computed += n
+        for res in results[len(results) - len(step.decodes):]:
+            res.request.num_computed += 1 + (res.num_accepted or 0)
+        return self._commit(results)
+
+    def _plain_step(self, step: ScheduledStep) -> list[RequestOutput]:
+        """Launches the step; with overlap, holds its ids on the device and commits the step in flight
+        (module docstring), else reads them back and commits them. A grammar's mask and penalties'
+        token counts need the rows' previous tokens: they are built, after the step in flight is
+        committed, while the device runs this step's forward."""
+        in_flight, self._in_flight = self._in_flight, None
+        device = self.runner.device
+        batch, sampled = build_forward_batch(step, self.kv, device,
+                                             in_flight.token_ids if in_flight is not None else None)
+        self._steps[batch.mode.value] += 1
+        settled: list[RequestOutput] = []
+
+        def settle() -> None:  # the step in flight, read and committed (once)
+            nonlocal in_flight
+            if in_flight is not None:
+                settled.extend(self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots))
+                in_flight = None
+
+        def masks():
+            settle()  # a row that has just ended is no longer constrained: its token is dropped
+            groups = [(None if r.finished else r.grammar, []) for r in sampled]
+            return step_bitmask(groups, self.model_config.vocab_size)
+
+        def sampling() -> SamplingTensors:
+            settle()
+            return sampling_tensors(sampled, device)
+
+        out = self._sample(batch, sampled, masks, sampling)
+        for req, n in step.extends:
+            req.num_computed += n
+        for req in step.decodes:
+            if not req.finished:  # (ended as the step in flight was committed)
+                req.num_computed += 1
+        if self._overlap:
+            self._in_flight = self._hold(step, sampled, out)
+            self._overlapped += 1
+            settle()
+            return settled
+        return self._commit(self._row_results(sampled, _HostCopy(out)))
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         in_flight, self._in_flight = self._in_flight, None
@@ -271,11 +294,11 @@ class Engine:
         self.scheduler.cache_pages(in_flight.step)
         return outputs
 
-    def _sample(self, batch, sampled: list[Request], masks) -> SamplerOutput:
+    def _sample(self, batch, sampled: list[Request], masks, sampling) -> SamplerOutput:
         """Launches the forward and the pick of every logits row; the ids stay on the device."""
         if plain_greedy(sampled):  # no sampling tensors, and on a DECODE key its greedy head graph
             return SamplerOutput(self.runner.run_greedy(batch), None, None, None)
-        return self.runner.run(batch, sampling_tensors(sampled, self.runner.device), masks)
+        return self.runner.run(batch, sampling, masks)
 
     def _hold(self, step: ScheduledStep, sampled: list[Request], out: SamplerOutput) -> _InFlight:
         """Leaves a launched step's ids on the device: each logits row's request holds a placeholder
@@ -283,6 +306,8 @@ class Engine:
         slots = []
         for row, req in enumerate(sampled):
             slots.append(len(req.token_ids))
+            if req.finished:  # ended as the step before was committed: its row is dropped
+                continue
             req.token_ids.append(PENDING)
             req.num_pending += 1
             req.pending_row = row

@@ -264,13 +264,14 @@ class ModelRunner:
                 and self.heads.run(self.graphs.last_replayed))
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, sampling: SamplingTensors,
+    def run(self, batch: ForwardBatch, sampling: Callable[[], SamplingTensors],
             masks: Callable[[], torch.Tensor | None] | None = None) -> SamplerOutput:
-        """Forward, then sample. ``masks`` builds the grammar bitmask on the host; it is called after
-        the forward is launched, so on CUDA it overlaps the device's work."""
+        """Forward, then sample. ``masks`` builds the grammar bitmask on the host and ``sampling`` the
+        sampling tensors, in that order; both are called after the forward is launched, so on CUDA
+        they overlap the device's work."""
         logits = self.model.compute_logits(self.forward(batch, batch.gather_ids))  # [N, V]
         self.apply_masks(logits, masks)
-        return self.sampler(logits, sampling)
+        return self.sampler(logits, sampling())
 
     def apply_masks(self, logits: torch.Tensor, masks: Callable[[], torch.Tensor | None] | None) -> None:
         bitmask = masks() if masks is not None else None
