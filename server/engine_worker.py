@@ -120,7 +120,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         eager_steps=stats.get("eager_steps", sum(steps.values())), kernel_compiles=stats.get("kernel_compiles", 0),
         spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
         kv_pages_cached=stats["kv_pages_cached"], prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
-        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"], overlapped_steps=stats["overlapped_steps"],
     )
 
 

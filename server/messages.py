@@ -93,6 +93,7 @@ class EngineStats:
     kv_pages_cached: int = 0  # pages of the prefix cache, in use or idle (idle ones count as free)
     prefix_cache_query_tokens: int = 0  # tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which the prefix cache held
+    overlapped_steps: int = 0  # steps launched before the previous step's tokens were read
 
     @property
     def kv_usage(self) -> float:

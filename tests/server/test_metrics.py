@@ -51,7 +51,8 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     metrics.observe_rejection("INVALID_ARGUMENT")
     stats = EngineStats(steps={"EXTEND": 2, "DECODE": 5, "MIXED": 1}, kv_pages_free=30, kv_pages_total=40,
                         running=1, waiting=2, preemptions=0, graph_replays=5, compiled_steps=1, eager_steps=2,
-                        kernel_compiles=3, kv_pages_cached=12, prefix_cache_query_tokens=90, prefix_cache_hit_tokens=64)
+                        kernel_compiles=3, kv_pages_cached=12, prefix_cache_query_tokens=90, prefix_cache_hit_tokens=64,
+                        overlapped_steps=6)
     s = _samples(metrics.render(stats, in_flight=3, engine_alive=True, listener_calls=[4, 0, 2]))
     assert s["encore_time_to_first_token_seconds_sum"] == pytest.approx(0.5)
     assert s["encore_time_per_output_token_seconds_sum"] == pytest.approx(0.5)  # 1 s over 2 later tokens
@@ -61,8 +62,9 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     assert s['encore_requests_rejected_total{code="INVALID_ARGUMENT"}'] == 1
     assert (s["encore_prompt_tokens_total"], s["encore_generation_tokens_total"]) == (4, 3)
     assert s["encore_kv_cache_usage_ratio"] == pytest.approx(0.25)
-    steps = ("encore_graph_replays_total", "encore_compiled_steps_total", "encore_eager_steps_total")
-    assert [s[name] for name in steps] == [5, 1, 2]
+    steps = ("encore_graph_replays_total", "encore_compiled_steps_total", "encore_eager_steps_total",
+             "encore_overlapped_steps_total")
+    assert [s[name] for name in steps] == [5, 1, 2, 6]
     assert s["encore_kernel_compiles_total"] == 3
     assert s["encore_kv_cache_pages_cached"] == 12
     assert (s["encore_prefix_cache_query_tokens_total"], s["encore_prefix_cache_hit_tokens_total"]) == (90, 64)
@@ -81,6 +83,7 @@ def test_live_endpoint_serves_the_server_metrics(server, client):
     assert s["encore_queue_time_seconds_count"] >= 1
     assert s["encore_engine_alive"] == 1 and s["encore_kv_cache_pages_total"] == 1023
     assert s['encore_engine_steps_total{mode="DECODE"}'] >= 3
+    assert s["encore_overlapped_steps_total"] >= 4  # the shared server's engine overlaps its steps
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"{url}/other", timeout=5)
     assert err.value.code == 404
