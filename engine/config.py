@@ -51,7 +51,8 @@ class EngineConfig:
     graphs/keys.build_keys); keys with more tokens than ``max_num_batched_tokens`` are dropped.
     ``overlap_schedule``: schedule and launch each step while the device still runs the one before
     (engine/engine.py, "Overlapped steps"); None (the default) means on for CUDA, off for the CPU,
-    where there is no device work to overlap and a step's outputs would only come one call later.
+    where there is no device work to overlap and a step's outputs would only come one call later;
+    speculative decoding does not overlap (None then means off, True is refused).
     ``detokenize``: False leaves text and stop strings to the caller (the server process does them).
     ``speculative``: a SpecConfig (or its dict form: method, num_speculative_tokens, ...), None: off.
     ``graph_cache_dir``: where compile artifacts and the warm-up manifest persist
@@ -111,6 +112,9 @@ class EngineConfig:
         for name in ("compile", "cuda_graphs", "overlap_schedule"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None (device default), got {getattr(self, name)!r}")
+        if self.overlap_schedule and self.speculative is not None:
+            raise ValueError("overlap_schedule=True: speculative decoding does not overlap its steps; leave "
+                             "overlap_schedule unset (None) or False with speculative")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
         for name in _GRAPH_SIZES:

@@ -124,7 +124,7 @@ class Engine:
         self._ids = itertools.count()
         self._steps = {"EXTEND": 0, "DECODE": 0, "MIXED": 0}
         self._preemptions = 0
-        self._overlap = self.config.use_overlap_schedule and self.speculator is None
+        self._overlap = self.config.use_overlap_schedule and self.speculator is None  # (True with it: refused)
         self._in_flight: _InFlight | None = None
         self._overlapped = 0  # steps launched before the previous step's tokens were read
 

@@ -89,3 +89,24 @@ def test_unknown_engine_options_and_bad_values_are_named(v3_dir):
         Engine(str(v3_dir), device="cpu", enable_prefix_caching="no")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Engine(str(v3_dir / "missing"), device="cpu")
+    with pytest.raises(ValueError, match="overlap_schedule must be True, False or None .*got 'yes'"):
+        Engine(str(v3_dir), device="cpu", overlap_schedule="yes")
+    with pytest.raises(ValueError, match="overlap_schedule=True: speculative decoding does not overlap"):
+        Engine(str(v3_dir), device="cpu", overlap_schedule=True,
+               speculative={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_overlap_switches_only_between_steps_and_never_with_speculation(v3_dir):
+    engine = Engine(str(v3_dir), device="cpu", overlap_schedule=True)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # its token is in flight now
+    with pytest.raises(RuntimeError, match="only change while no step is in flight"):
+        engine.overlap_schedule = False
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.overlap_schedule = False
+    assert not engine.overlap_schedule
+    spec = Engine(str(v3_dir), device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 2})
+    assert not spec.overlap_schedule
+    with pytest.raises(ValueError, match="speculative decoding does not overlap"):
+        spec.overlap_schedule = True
