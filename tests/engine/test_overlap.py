@@ -183,6 +183,26 @@ def test_grammar_and_penalty_rows_overlap_too(kind):
     assert stats["overlapped_steps"] == sum(stats["steps"].values())
 
 
+def test_first_tokens_are_read_before_a_launch_that_is_no_replay():
+    """A step that completed prompts is read before the next step's forward where that forward is not a
+    graph replay (every step on the CPU); a step of decode rows only stays in flight during it."""
+    e = engine(True)
+    e.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))
+    req = e.requests["r"]
+    pending_at_forward = []
+    forward = e.runner.forward
+
+    def spy(batch, token_ids=None):
+        pending_at_forward.append(req.num_pending)
+        return forward(batch, token_ids)
+
+    e.runner.forward = spy
+    while e.has_unfinished_requests():
+        e.step()
+    # the prompt step; the first decode step, its first token read before; then decode steps in flight
+    assert pending_at_forward == [0, 0, 1, 1]
+
+
 def random_workload(seed: int, vocab: int) -> tuple[dict, dict]:
     """Arrivals over the first 12 step calls (token-id prompts, some sharing a prefix; greedy, seeded,
     logprobs, stop ids, small max_tokens, a regex, penalties) and a few aborts."""
