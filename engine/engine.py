@@ -4,11 +4,10 @@ Overlapped steps (``EngineConfig.overlap_schedule``, on for CUDA). A step's host
 building the step, padding it into the graph buffers, planning attention, reading the sampled ids
 back and committing them — otherwise runs while the device idles: on an H200 host, encore-tiny
 decoded at 0.33 ms a token at bs 1 this way and at 0.23 ms overlapped (benchmarks/README.md,
-"Overlapped steps"). So ``step`` launches step i + 1 before it reads
-step i's tokens: step i's sampled ids stay on the device, their rows hold ``request.PENDING`` in
-``token_ids``, and step i + 1's decode rows take their input ids from step i's output on the device
-(``ForwardBatch.pending``), in stream order. Each call thus returns the outputs of the step before the
-one it launched. Where a step's sampling reads host state that the previous token changes — a
+"Overlapped steps"). So ``step`` launches step i + 1 before it reads step i's tokens: step i's
+sampled ids stay on the device, their rows hold ``request.PENDING`` in ``token_ids``, and step
+i + 1's decode rows take their input ids from step i's output on the device (``ForwardBatch.pending``),
+in stream order. Each call thus returns the outputs of the step before the one it launched. Where a step's sampling reads host state that the previous token changes — a
 grammar's matcher, penalties' token counts — the step in flight is read and committed as soon as the
 step's forward is launched, and the mask and counts are built while the device runs it. A step that
 completed prompts is read before the next step is launched where that launch is not a graph replay,
