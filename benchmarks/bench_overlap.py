@@ -128,7 +128,9 @@ def main() -> None:
                 engine.overlap_schedule = overlap
                 results[overlap].append(trial(engine, batch, params))
         same = all(a["tokens"] == b["tokens"] for a, b in zip(results[False], results[True]))
-        row = {"bs": bs, "context": args.context, "same_tokens": same}
+        row = {"bs": bs, "context": args.context, "same_tokens": same,
+               "trials": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in results[overlap]]
+                          for overlap, name in ((False, "off"), (True, "on"))}}
         for overlap, name in ((False, "off"), (True, "on")):
             for metric in ("step_ms", "tpot_ms", "ttft_ms", "tok_s"):
                 row[f"{name}_{metric}"] = statistics.median(r[metric] for r in results[overlap])
@@ -140,7 +142,7 @@ def main() -> None:
             row["off_floor_fraction"] = row["floor_ms"] / row["off_step_ms"]
             row["on_floor_fraction"] = row["floor_ms"] / row["on_step_ms"]
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
     stats = engine.stats()
     backend = engine.runner.backend.name
     print(f"\n{device}, {args.model} ({backend} attention), context {args.context}, {args.max_tokens} tokens, "

@@ -13,9 +13,10 @@ from encore.server.config import ServerConfig
 
 @pytest.fixture(scope="module")
 def small(v3_dir):
-    """max_num_seqs 2 + max_queued_requests 1: at most 3 requests in flight; a poison prompt fails steps."""
+    """max_num_seqs 2 + max_queued_requests 1: at most 3 requests in flight; a poison prompt fails steps
+    (with a step in flight: the engine overlaps its steps, as on CUDA)."""
     config = ServerConfig(port=0, max_queued_requests=1, max_message_bytes=64 << 10)
-    handle = ServerThread(config, engine_kwargs(v3_dir, max_num_seqs=2), FaultyEngine).listen()
+    handle = ServerThread(config, engine_kwargs(v3_dir, max_num_seqs=2, overlap_schedule=True), FaultyEngine).listen()
     handle.start_engine()
     yield handle
     handle.stop()
