@@ -2,13 +2,13 @@
 engine with its steps overlapped against the same engine stepping one step at a time, the setting
 switched between interleaved trials (off, on, off, on, ...), so both see the machine in one state.
 
-Each trial: ``bs`` requests of ``--context`` random prompt tokens (prefix caching off) and ``--max-tokens`` greedy tokens (``ignore_eos``), added at
-once and stepped to the end. Decode step: the mean time between step calls once every request has its
-first token (each call then returns a token of every row), the steady state a floor bounds; TPOT: per
-request, (last token's time - first token's) / (tokens - 1), the median over requests (a request
-admitted early also waits through the later prompts' steps); throughput: output tokens / the trial's
-wall time. The tokens of both
-settings are compared (greedy: they must be equal).
+Each trial: ``bs`` requests of ``--context`` random prompt tokens (prefix caching off) and
+``--max-tokens`` greedy tokens (``ignore_eos``), added at once and stepped to the end. Decode step:
+the mean time between step calls once every request has its first token (each call then returns a
+token of every row), the steady state a floor bounds; TPOT: per request, (last token's time - first
+token's) / (tokens - 1), the median over requests (a request admitted early also waits through the
+later prompts' steps); throughput: output tokens / the trial's wall time. The tokens of both settings
+are compared (greedy: they must be equal).
 
 Models: ``tiny`` (the embedded encore-tiny, bf16 on CUDA) and ``v2-lite`` (DeepSeek-V2-Lite's shape,
 random bf16 weights made on the GPU: ``bench_decode_graphs.build_random``; its rows also get the
@@ -157,8 +157,9 @@ def main() -> None:
               f"{r['off_tpot_ms']:.3f} / {r['on_tpot_ms']:.3f} | {r['off_tok_s']:.0f} / {r['on_tok_s']:.0f} | "
               f"{r['tok_s_ratio']:.3f} | {r['same_tokens']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "model": args.model, "backend": backend, "args": vars(args),
-                                               "copy_bandwidth": bandwidth, "stats": stats, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": device, "model": args.model, "backend": backend,
+                                               "args": vars(args), "copy_bandwidth": bandwidth, "stats": stats,
+                                               "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ decoded at 0.33 ms a token at bs 1 this way and at 0.23 ms overlapped (benchmark
 "Overlapped steps"). So ``step`` launches step i + 1 before it reads step i's tokens: step i's
 sampled ids stay on the device, their rows hold ``request.PENDING`` in ``token_ids``, and step
 i + 1's decode rows take their input ids from step i's output on the device (``ForwardBatch.pending``),
-in stream order. Each call thus returns the outputs of the step before the one it launched. Where a step's sampling reads host state that the previous token changes — a
-grammar's matcher, penalties' token counts — the step in flight is read and committed as soon as the
-step's forward is launched, and the mask and counts are built while the device runs it. A step that
-completed prompts is read before the next step is launched where that launch is not a graph replay,
-which can take long on the host: first tokens do not wait for it. (Before this rule, a burst of 64
-V2-Lite prompts of 1k tokens, whose prompt steps run without a graph, had a median time to first
-token of 836 ms with overlap against 750 ms without, on an H200; not measured again since.)
+in stream order. Each call thus returns the outputs of the step before the one it launched. Where a
+step's sampling reads host state that the previous token changes — a grammar's matcher, penalties'
+token counts — the step in flight is read and committed as soon as the step's forward is launched,
+and the mask and counts are built while the device runs it. A step that completed prompts is read
+before the next step is launched where that launch is not a graph replay, which can take long on the
+host: first tokens do not wait for it. (Before this rule, a burst of 64 V2-Lite prompts of 1k
+tokens, whose prompt steps run without a graph, had a median time to first token of 836 ms with
+overlap against 750 ms without, on an H200; not measured again since.)
 Speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
 pending token (EOS, a stop string) runs one more step whose output is dropped; a row that ends by
 length is known to end and gets no next step. Tokens are the same as without overlap (CPU and GPU tests).
@@ -111,8 +112,9 @@ class Engine:
         spec = self.config.speculative
         self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
         # A model drafter's KV at a page's last slot depends on the token after the page (kv_cache).
+        model_drafter = self.speculator is not None and self.speculator.model_drafter is not None
         self.kv = KVCacheManager(self.runner.num_pages, self.config.page_size, self.config.enable_prefix_caching,
-                                 key_next_token=self.speculator is not None and self.speculator.model_drafter is not None)
+                                 key_next_token=model_drafter)
         capacity = self.kv.num_total_pages * self.config.page_size
         if wanted_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", wanted_len, capacity)
@@ -193,7 +195,7 @@ class Engine:
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.forget(request_id)
-        self._drop_pending(req)
+        req.drop_pending()  # it keeps only the tokens it was given
         req.status = RequestStatus.FINISHED
         req.finish_reason = "abort"
         self._aborted.append(req)
@@ -264,7 +266,7 @@ class Engine:
         def settle() -> None:  # the step in flight, read and committed (once)
             nonlocal in_flight
             if in_flight is not None:
-                settled.extend(self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots))
+                settled.extend(self._commit_in_flight(in_flight))
                 in_flight = None
 
         if in_flight is not None and in_flight.first_tokens and not self.runner.replays(batch):
@@ -293,12 +295,16 @@ class Engine:
         return self._commit(self._row_results(sampled, _HostCopy(out)))
 
     def _complete_in_flight(self) -> list[RequestOutput]:
+        """With nothing left to launch: the step in flight, read and committed."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return []
-        outputs = self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots)
+        outputs = self._commit_in_flight(in_flight)
         self.scheduler.cache_pages(in_flight.step)
         return outputs
+
+    def _commit_in_flight(self, in_flight: _InFlight) -> list[RequestOutput]:
+        return self._commit(self._row_results(in_flight.sampled, in_flight.host), in_flight.slots)
 
     def _sample(self, batch, sampled: list[Request], masks, sampling) -> SamplerOutput:
         """Launches the forward and the pick of every logits row; the ids stay on the device."""
@@ -317,10 +323,8 @@ class Engine:
             req.token_ids.append(PENDING)
             req.num_pending += 1
             req.pending_row = row
-            req.final_pending = (req.num_output_tokens >= req.params.max_tokens
-                                 or len(req.token_ids) >= self.max_model_len)
-        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True),
-                         first_tokens=len(sampled) > len(step.decodes))
+            req.final_pending = self._ends_by_length(req, len(req.token_ids))
+        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True))
 
     def _row_results(self, sampled: list[Request], host: _HostCopy) -> list[RowResult]:
         token_ids, logprobs = host.lists()
@@ -378,8 +382,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, end: int) -> None:
         """Ends the request at its token ``end - 1``; any placeholder after it is dropped."""
         if req.num_pending:
-            del req.token_ids[end:]
-            req.num_pending = 0
+            req.drop_pending()
             req.num_computed = min(req.num_computed, end - 1)
         self.scheduler.remove(req)
         if self.speculator is not None:
@@ -388,13 +391,6 @@ class Engine:
         req.finish_reason = reason
         del self.requests[req.request_id]
 
-    @staticmethod
-    def _drop_pending(req: Request) -> None:
-        """An aborted request's placeholders go: it keeps only the tokens it was given."""
-        if req.num_pending:
-            del req.token_ids[-req.num_pending:]
-            req.num_pending = 0
-
     def _finish_reason(self, req: Request, token: int, stop_string: str | None, end: int) -> str | None:
         """Why the request ends at its token ``end - 1`` (``token``), if it does."""
         params = req.params
@@ -402,9 +398,13 @@ class Engine:
             return "stop"
         if stop_string is not None:
             return "stop"
-        if end - len(req.prompt_token_ids) >= params.max_tokens or end >= self.max_model_len:
+        if self._ends_by_length(req, end):
             return "length"
         return None
+
+    def _ends_by_length(self, req: Request, end: int) -> bool:
+        """Whether the request's token ``end - 1`` is its last by ``max_tokens`` or the context."""
+        return end - len(req.prompt_token_ids) >= req.params.max_tokens or end >= self.max_model_len
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -499,4 +499,8 @@ class _InFlight:
     slots: list[int]  # per logits row: where its placeholder sits in the request's token_ids
     token_ids: torch.Tensor  # [N] on the device: what the next step's decode rows read
     host: _HostCopy
-    first_tokens: bool  # some row completed its prompt: its first token is among the step's
+
+    @property
+    def first_tokens(self) -> bool:
+        """Whether some row completed its prompt (prefill rows' logits rows come first)."""
+        return len(self.sampled) > len(self.step.decodes)

@@ -84,6 +84,17 @@ class Request:
         return len(self.token_ids) - self.num_pending
 
     @property
+    def num_computed_known(self) -> int:
+        """Computed tokens whose ids are known on the host (what the prefix cache may key pages by)."""
+        return min(self.num_computed, self.num_committed)
+
+    def drop_pending(self) -> None:
+        """Drops the placeholders: the request ended before the step in flight gave their tokens."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
+
+    @property
     def ready(self) -> bool:
         """False while its grammar is still compiling, or (preempted) while a step in flight has yet
         to give it its last token: it is not admitted before."""

@@ -80,12 +80,12 @@ class Scheduler:
         chains, root = kv.chains, (kv.page_size, ROOT)
         for req in itertools.chain((req for req, _ in step.extends), step.decodes):
             if req.num_computed >= chains.get(req.request_id, root)[0] and not req.finished:
-                kv.cache_pages(req.request_id, req.token_ids, min(req.num_computed, req.num_committed))
+                kv.cache_pages(req.request_id, req.token_ids, req.num_computed_known)
 
     def _release(self, req: Request) -> None:
         """Frees the request's pages, registering first those it filled (they outlive it, idle): those
         of known tokens only, not of a token the step in flight has yet to give."""
-        self.kv.cache_pages(req.request_id, req.token_ids, min(req.num_computed, req.num_committed))
+        self.kv.cache_pages(req.request_id, req.token_ids, req.num_computed_known)
         self.kv.free(req.request_id)
 
     def has_work(self) -> bool:
