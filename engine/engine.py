@@ -10,11 +10,9 @@ i + 1's decode rows take their input ids from step i's output on the device (``F
 in stream order. Each call thus returns the outputs of the step before the one it launched. Where a
 step's sampling reads host state that the previous token changes — a grammar's matcher, penalties'
 token counts — the step in flight is read and committed as soon as the step's forward is launched,
-and the mask and counts are built while the device runs it. A step that completed prompts is read
-before the next step is launched where that launch is not a graph replay, which can take long on the
-host: first tokens do not wait for it. (Before this rule, a burst of 64 V2-Lite prompts of 1k
-tokens, whose prompt steps run without a graph, had a median time to first token of 836 ms with
-overlap against 750 ms without, on an H200; not measured again since.)
+and the mask and counts are built while the device runs it. A step that completed prompts without
+a graph replay (a burst of long prompts, whose steps take long to launch on the host) is read and
+returned before the next step is scheduled, so its first tokens do not wait for the next launch.
 Speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
 pending token (EOS, a stop string) runs one more step whose output is dropped; a row that ends by
 length is known to end and gets no next step. Tokens are the same as without overlap (CPU and GPU tests).
@@ -221,11 +219,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step and returns the outputs it completed: with overlapped steps, those of the
-        step launched by the call before (module docstring)."""
+        step launched by the call before, and where those are first tokens of a step that ran without
+        a graph, it launches nothing (module docstring)."""
         outputs = [self._output(r, []) for r in self._aborted]
         for req in self._aborted:
             del self.requests[req.request_id]
         self._aborted.clear()
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.first_tokens and not in_flight.replayed:
+            outputs.extend(self._complete_in_flight())  # first tokens out before a slow launch (module docstring)
+            return outputs
         spec = self.speculator
         step = self.scheduler.schedule(spec.q_len if spec else 1, spec.lookahead if spec else 0)
         self._preemptions += len(step.preempted)
@@ -268,9 +271,6 @@ class Engine:
             if in_flight is not None:
                 settled.extend(self._commit_in_flight(in_flight))
                 in_flight = None
-
-        if in_flight is not None and in_flight.first_tokens and not self.runner.replays(batch):
-            settle()  # first tokens do not wait for a slow launch (module docstring)
 
         def masks():
             settle()  # a row that has just ended is no longer constrained: its token is dropped
@@ -324,7 +324,7 @@ class Engine:
             req.num_pending += 1
             req.pending_row = row
             req.final_pending = self._ends_by_length(req, len(req.token_ids))
-        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True))
+        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True), self.runner.replayed)
 
     def _row_results(self, sampled: list[Request], host: _HostCopy) -> list[RowResult]:
         token_ids, logprobs = host.lists()
@@ -499,6 +499,7 @@ class _InFlight:
     slots: list[int]  # per logits row: where its placeholder sits in the request's token_ids
     token_ids: torch.Tensor  # [N] on the device: what the next step's decode rows read
     host: _HostCopy
+    replayed: bool  # its forward replayed a CUDA graph
 
     @property
     def first_tokens(self) -> bool:

@@ -221,9 +221,10 @@ class ModelRunner:
         hidden = self._forward_eager(batch)
         return hidden if token_ids is None else hidden[token_ids]
 
-    def replays(self, batch: ForwardBatch) -> bool:
-        """Whether ``forward(batch)`` replays a captured CUDA graph (graphs/runner.py)."""
-        return self.graphs is not None and self.graphs.replays(batch)
+    @property
+    def replayed(self) -> bool:
+        """Whether the last ``forward`` replayed a captured CUDA graph (graphs/runner.py)."""
+        return self.graphs is not None and self.graphs.last_replayed is not None
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over ``batch`` as written, the backend planned on the host: hidden [T, hidden]."""

@@ -134,10 +134,6 @@ class GraphRunner:
         key = self.table.find(batch)
         return key if key is not None and batch.page_table.shape[1] <= self.buffers.max_pages else None
 
-    def replays(self, batch: ForwardBatch) -> bool:
-        """Whether ``run`` would replay a captured graph for ``batch``: a launch of a few host µs."""
-        return self.key_for(batch) in self._captured
-
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphKey] | None:
         """Hidden states [key.num_tokens, hidden] of ``batch`` padded to its key, or None if no key holds
         it. Map the batch's token indices into them with ``padding.padded_index``."""

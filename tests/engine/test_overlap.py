@@ -23,18 +23,22 @@ def engine(overlap: bool, **options) -> Engine:
 
 def run(engine: Engine, arrivals: dict[int, list[tuple[str, str, SamplingParams]]],
         aborts: dict[int, list[str]] | None = None) -> dict[str, tuple]:
-    """Steps ``engine`` until it is idle; ``arrivals[i]`` / ``aborts[i]`` happen before step call i.
-    Returns each request's final output as (token ids, text, finish reason, logprobs), and checks every
-    output on the way: no placeholder ever shows, and the deltas add up to the final tokens."""
+    """Steps ``engine`` until it is idle; ``arrivals[i]`` / ``aborts[i]`` happen before the engine launches
+    its step i (at once where it is idle before then: a call with overlap may launch no step). Returns
+    each request's final output as (token ids, text, finish reason, logprobs), and checks every output
+    on the way: no placeholder ever shows, and the deltas add up to the final tokens."""
     aborts = aborts or {}
+    due = sorted(set(arrivals) | set(aborts))
     streamed: dict[str, list[int]] = {}
     final: dict[str, tuple] = {}
-    call = 0
-    while engine.has_unfinished_requests() or call <= max(arrivals, default=0):
-        for rid, prompt, params in arrivals.get(call, []):
-            engine.add_request(rid, prompt, params)
-        for rid in aborts.get(call, []):
-            engine.abort(rid)
+    while engine.has_unfinished_requests() or due:
+        launched = sum(engine.stats()["steps"].values())
+        while due and (due[0] <= launched or not engine.has_unfinished_requests()):
+            at = due.pop(0)
+            for rid, prompt, params in arrivals.get(at, []):
+                engine.add_request(rid, prompt, params)
+            for rid in aborts.get(at, []):
+                engine.abort(rid)
         for out in engine.step():
             assert PENDING not in out.token_ids and PENDING not in out.new_token_ids
             assert len(out.token_ids) == out.num_output_tokens
@@ -43,7 +47,6 @@ def run(engine: Engine, arrivals: dict[int, list[tuple[str, str, SamplingParams]
             if out.finished:
                 logprobs = [(lp.token_id, lp.logprob, [t for t, _ in lp.top]) for lp in out.logprobs or []]
                 final[out.request_id] = (out.token_ids, out.text, out.finish_reason, logprobs)
-        call += 1
     assert engine.kv.num_free_pages == engine.kv.num_total_pages  # every page back (free or idle)
     assert not any(engine.kv.pool.refcount)
     return final
@@ -183,24 +186,29 @@ def test_grammar_and_penalty_rows_overlap_too(kind):
     assert stats["overlapped_steps"] == sum(stats["steps"].values())
 
 
-def test_first_tokens_are_read_before_a_launch_that_is_no_replay():
-    """A step that completed prompts is read before the next step's forward where that forward is not a
-    graph replay (every step on the CPU); a step of decode rows only stays in flight during it."""
+def test_first_tokens_are_returned_before_the_next_launch_where_their_step_did_not_replay():
+    """The outputs of a step that completed prompts without a graph replay (every step on the CPU) are
+    returned before the next step is launched; a step of decode rows only stays in flight during the
+    next one's launch."""
     e = engine(True)
     e.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))
     req = e.requests["r"]
-    pending_at_forward = []
+    returned: list[int] = []
+    at_forward = []  # (tokens returned so far, tokens in flight) as each forward is launched
     forward = e.runner.forward
 
     def spy(batch, token_ids=None):
-        pending_at_forward.append(req.num_pending)
+        at_forward.append((len(returned), req.num_pending))
         return forward(batch, token_ids)
 
     e.runner.forward = spy
     while e.has_unfinished_requests():
-        e.step()
-    # the prompt step; the first decode step, its first token read before; then decode steps in flight
-    assert pending_at_forward == [0, 0, 1, 1]
+        for out in e.step():
+            returned.extend(out.new_token_ids)
+    # the prompt step; its first token returned before the first decode step; then each decode step
+    # launched while the one before is in flight
+    assert at_forward == [(0, 0), (1, 0), (1, 1), (2, 1)]
+    assert len(returned) == 4
 
 
 def random_workload(seed: int, vocab: int) -> tuple[dict, dict]:
