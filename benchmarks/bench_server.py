@@ -12,7 +12,7 @@ receiving 64 streams' messages is a bottleneck of its own, which real clients, o
 share. On a machine with few cores the processes compete for them, which is part of what this measures.
 
     python benchmarks/bench_server.py [--model DIR] [--clients 64] [--max-tokens 64] [--trials 5]
-        [--client-processes 8] [--listeners 64] [--pin] [--json out.json]
+        [--client-processes 8] [--listeners 8] [--pin] [--json out.json]
 
 Each side runs the requests ``--trials`` times (one engine, one server), the trials taking turns (the
 peer's first, then the server's first, ...) so that both sides see the machine in the same state, and

@@ -8,7 +8,7 @@ are counted too: a MIXED step is one whose arrivals join requests already decodi
 how many waves the burst of calls reached the engine in.
 
     python benchmarks/bench_server_frontend.py [--clients 64] [--max-tokens 64] [--step-ms 1.3]
-        [--trials 3] [--client-processes 8] [--listeners 64] [--json out.json]
+        [--trials 3] [--client-processes 8] [--listeners 8] [--json out.json]
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ class ServerConfig:
     after a round of the loop, which streaming keeps busy; several take a burst of calls from several
     connections in parallel (the calls of one connection all reach the same one). The kernel picks a
     connection's listener by a hash of its addresses, so connections collide: 8 connections on localhost
-    met 2-4 on the busiest of 8 listeners (6 tries), 1-2 of 64; bench_server's 8 client processes once
-    reached only 3 of 8, one listener taking 24 calls of a 64-call burst in turn. An idle listener costs
-    nothing, hence many by default.
+    met 2-4 on the busiest of 8 listeners (6 tries), 1-2 of 64. More listeners took a burst in fewer
+    waves on an H200 host, but served it no faster (benchmarks/README.md, session 21), so the default
+    stays 8.
     """
 
     host: str = "127.0.0.1"
@@ -40,7 +40,7 @@ class ServerConfig:
     max_message_bytes: int = 4 << 20
     metrics_port: int | None = None
     shutdown_grace_s: float = 5.0
-    listeners: int = 64
+    listeners: int = 8
 
     def __post_init__(self) -> None:
         if not self.host:
