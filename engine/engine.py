@@ -71,6 +71,20 @@ def prompt_encoder(tokenizer) -> Callable[[str], list[int]] | None:
     return tokenizer.encode
 
 
+def serial_host_ops(device: torch.device) -> None:
+    """Once a CUDA engine has started (loading and casting its weights does use torch's intra-op
+    pool), torch runs host ops on one thread. Between launches the engine's host work is serial
+    Python, while the pool is sized by the CPUs the process could use when torch started, not by a
+    CPU quota (a container's CPU limit) or an affinity narrowed later: an op above the pool's grain
+    (32 k elements, e.g. a structured-output bitmask at bs 64 over a 100 k vocabulary) wakes threads
+    that then spin on the CPUs the engine needs. Held to one CPU after torch started its two-thread
+    pool, the CI machine allocated that bitmask in 7.8 ms instead of 14 µs (benchmarks/README.md,
+    "Host threads"). A CPU engine keeps the pool, which its model runs on."""
+    if device.type == "cuda" and torch.get_num_threads() != 1:
+        log.info("torch host ops: %d threads -> 1 (serial_host_ops)", torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
 class Engine:
     """An MLA model served step by step.
 
@@ -130,6 +144,7 @@ class Engine:
         self._overlap = self.config.use_overlap_schedule and self.speculator is None  # (True with it: refused)
         self._in_flight: _InFlight | None = None
         self._overlapped = 0  # steps launched before the previous step's tokens were read
+        serial_host_ops(self.runner.device)
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -30,6 +30,7 @@ def test_cuda_bfloat16_runs(v3_dir):
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
     assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+    assert torch.get_num_threads() == 1  # engine.serial_host_ops
 
 
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
