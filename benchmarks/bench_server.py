@@ -17,7 +17,9 @@ share. On a machine with few cores the processes compete for them, which is part
 Each side runs the requests ``--trials`` times (one engine, one server), the trials taking turns (the
 peer's first, then the server's first, ...) so that both sides see the machine in the same state, and
 reports each metric's median over its trials: one run of a tiny model lasts well under a second, single
-runs scatter, and on the GPU machines whole runs of one side moved by up to 1.6x between calls.
+runs scatter, and on the GPU machines whole runs of one side moved by up to 1.6x between calls. One more
+trial of each side runs first, untimed (the in-process peer's first full trial ran at 4-7x its later
+TPOT on the H200s of session 21).
 
 Without --model it serves the embedded encore-tiny checkpoint.
 """
@@ -276,11 +278,12 @@ def main() -> None:
         def peer_turn(trial: int) -> None:
             peer.append(peer_trial(engine, f"t{trial}", texts, args.max_tokens))
 
-        served = run_clients(target, texts, args.max_tokens, args.trials, args.client_processes,
+        served = run_clients(target, texts, args.max_tokens, 1 + args.trials, args.client_processes,
                              before_each=peer_turn, cpus=client_cpus)
     finally:
         server.terminate()
         server.wait(30)
+    peer, served = peer[1:], served[1:]  # the warm-up trials
     for (_, want), (_, got) in zip(peer, served):
         assert got == want, "the server's tokens differ from the in-process engine's"
     rows = [median_row("in-process Engine (peer)", peer), median_row("gRPC server", served)]
