@@ -32,7 +32,10 @@ from encore.server.request_stream import RequestStream, SendPacer, StreamError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 VERSION = importlib.metadata.version("encore")
-SENDS_PER_ROUND = 4  # messages built and sent per round of the event loop (request_stream.SendPacer)
+# Messages built and sent per round of the event loop (request_stream.SendPacer). A call is taken in
+# over ~3 rounds, each behind that round's sends: 1 took a 64-call burst in about half the time 4 did
+# (benchmarks/README.md, session 21).
+SENDS_PER_ROUND = 1
 
 
 @dataclass(frozen=True, slots=True)
