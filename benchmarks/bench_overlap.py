@@ -149,13 +149,13 @@ def main() -> None:
           f"medians of {args.trials} trials; eager steps {stats['eager_steps']}, kernel compiles "
           f"{stats['kernel_compiles']}")
     floor = " floor ms |" if bandwidth is not None else ""
-    print(f"| bs |{floor} decode step off / on ms | on / off | TPOT off / on ms | tok/s off / on | on / off "
-          f"| same tokens |")
+    print(f"| bs |{floor} decode step off / on ms | on / off | TPOT off / on ms | TTFT off / on ms | tok/s off / on "
+          f"| on / off | same tokens |")
     for r in rows:
         cell = f" {r['floor_ms']:.2f} |" if bandwidth is not None else ""
         print(f"| {r['bs']} |{cell} {r['off_step_ms']:.3f} / {r['on_step_ms']:.3f} | {r['step_ratio']:.3f} | "
-              f"{r['off_tpot_ms']:.3f} / {r['on_tpot_ms']:.3f} | {r['off_tok_s']:.0f} / {r['on_tok_s']:.0f} | "
-              f"{r['tok_s_ratio']:.3f} | {r['same_tokens']} |")
+              f"{r['off_tpot_ms']:.3f} / {r['on_tpot_ms']:.3f} | {r['off_ttft_ms']:.1f} / {r['on_ttft_ms']:.1f} | "
+              f"{r['off_tok_s']:.0f} / {r['on_tok_s']:.0f} | {r['tok_s_ratio']:.3f} | {r['same_tokens']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "model": args.model, "backend": backend,
                                                "args": vars(args), "copy_bandwidth": bandwidth, "stats": stats,
