@@ -143,7 +143,7 @@ class Engine:
         self._preemptions = 0
         self._overlap = self.config.use_overlap_schedule and self.speculator is None  # (True with it: refused)
         self._in_flight: _InFlight | None = None
-        self._overlapped = 0  # steps launched before the previous step's tokens were read
+        self._overlapped = 0  # steps whose sampled ids stayed on the device and were read on a later call
         serial_host_ops(self.runner.device)
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:

@@ -129,17 +129,12 @@ class GraphRunner:
         captured = self._captured.get(key)
         return captured.hidden if captured is not None else None
 
-    def key_for(self, batch: ForwardBatch) -> GraphKey | None:
-        """The key ``batch`` is padded to, or None where none holds it (``run`` then runs it unpadded)."""
-        key = self.table.find(batch)
-        return key if key is not None and batch.page_table.shape[1] <= self.buffers.max_pages else None
-
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, GraphKey] | None:
         """Hidden states [key.num_tokens, hidden] of ``batch`` padded to its key, or None if no key holds
         it. Map the batch's token indices into them with ``padding.padded_index``."""
         self.last_replayed = None
-        key = self.key_for(batch)
-        if key is None:
+        key = self.table.find(batch)
+        if key is None or batch.page_table.shape[1] > self.buffers.max_pages:
             return self._run_unpadded(batch)
         padded = self.buffers.fill(key, batch)
         self.steps_per_key[key] += 1

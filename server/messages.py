@@ -93,7 +93,7 @@ class EngineStats:
     kv_pages_cached: int = 0  # pages of the prefix cache, in use or idle (idle ones count as free)
     prefix_cache_query_tokens: int = 0  # tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which the prefix cache held
-    overlapped_steps: int = 0  # steps launched before the previous step's tokens were read
+    overlapped_steps: int = 0  # steps whose sampled ids stayed on the device and were read on a later call
 
     @property
     def kv_usage(self) -> float:

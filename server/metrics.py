@@ -132,7 +132,7 @@ def _engine_lines(stats: EngineStats) -> list[str]:
                  [({}, stats.compiled_steps)]),
         *_family("encore_eager_steps_total", "counter", "Steps run eagerly.", [({}, stats.eager_steps)]),
         *_family("encore_overlapped_steps_total", "counter",
-                 "Steps launched while the device still ran the step before (overlap_schedule).",
+                 "Steps whose sampled ids stayed on the device and were read on a later call (overlap_schedule).",
                  [({}, stats.overlapped_steps)]),
         *_family("encore_kernel_compiles_total", "counter",
                  "GPU kernel variants compiled after start-up; each stalled the running requests.",
