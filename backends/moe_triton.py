@@ -10,6 +10,9 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
     down    (max_blocks, cdiv(H, BN))   per_pair[p]  = weights[p] · inter[slot]·w2[e]ᵀ
     sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
 
+One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
+nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves.
+
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
 blocks number at most (T·k + m·(BM - 1)) // BM: both buffers have that static size and no host
@@ -62,16 +65,13 @@ class FusedMoEConfig:
 
 # (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
 # (E 64, top-6, H 2048, I 1408, bf16) on an H200 (each row within 3% of the best of a sweep of tile
-# sizes, warps and stages at its token counts; bench_moe.py --sweep retunes).
-# - T = 1: six blocks of one pair; the kernels only stream weights. BN 32 gives 6 · 1408/32 = 264
-#   gate_up and 384 down programs, two or three per SM, and five stages of 64-wide K tiles keep each
-#   SM's loads in flight.
+# sizes, warps and stages at its token counts; bench_moe.py --sweep retunes). One token takes the
+# one-token kernels (ONE_TOKEN) unless a config is asked for.
 # - T <= 128 (decode): an expert gets few of the T·k pairs (~6 at T = 64), so BM 16, the smallest dot
 #   tile, wastes least. BN 64 · BK 128 in three stages (~108 KB of shared memory: two programs per SM).
 # - larger T (prefill, float32 tests): more pairs per expert, so larger BM reuses each weight tile for
 #   more tokens; BM 128 and 8 warps once the experts hold ~100 pairs each.
 _CONFIGS = (
-    (1, FusedMoEConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=5)),
     (128, FusedMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)),
     (256, FusedMoEConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)),
     (512, FusedMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
@@ -87,10 +87,34 @@ def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
     return config
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class OneTokenConfig:
+    """The one-token kernels' tiles: gate_n / down_n output columns per program (gate_up computes
+    gate_n of gate and of up), block_k the reduction tile; powers of two of at least 16."""
+
+    gate_n: int
+    down_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        KernelConfig(self.gate_n, self.down_n, self.num_warps, self.num_stages)
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 16")
+
+
+# The tiles the blocked kernels had for one token, so the output is the same bit for bit. V2-Lite, bf16,
+# H200, 26 layers a CUDA graph: 39.4 µs a layer against 43.3 with the alignment, copy-bandwidth floor
+# 32.8 µs; of 12 tile settings tried (bench_moe.py --sweep --tokens 1 sweeps more) none was faster.
+ONE_TOKEN = OneTokenConfig(gate_n=32, down_n=32, block_k=64, num_warps=4, num_stages=5)
+
+
 def config_token_counts(max_tokens: int) -> tuple[int, ...]:
-    """The fewest tokens of each row of the config table that a step of at most ``max_tokens`` tokens
-    reaches: one forward at each runs every variant of these kernels (ModelRunner.warm_up_kernels)."""
-    counts, low = [], 1
+    """1 (the one-token kernels), then the fewest tokens above 1 of each row of the config table that a
+    step of at most ``max_tokens`` tokens reaches: one forward at each runs every variant of these
+    kernels (ModelRunner.warm_up_kernels)."""
+    counts, low = [1], 2
     for bound, _ in _CONFIGS:
         if low > max_tokens:
             break
@@ -240,11 +264,84 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
     tl.store(OUT + token * stride_ot + h, acc.to(OUT.dtype.element_ty), mask=h < H)
 
 
+@kernel_variants.watched
+@triton.jit
+def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
+    # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
+    pair = tl.program_id(0)
+    expert = tl.load(IDS + pair)
+    row = tl.arange(0, 16)[:, None]  # [16, 1]
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
+    n_ok = n < I
+    w = W13 + expert * (2 * I * H)
+    acc_gate = tl.zeros([16, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        a = tl.load(X + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0)  # [16, K]
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(w + n[:, None] * H + k[None, :], mask=w_ok, other=0.0)  # [N, K]
+        w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=w_ok, other=0.0)
+        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
+    tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
+
+
+@kernel_variants.watched
+@triton.jit
+def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, H: tl.constexpr, I: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pair = tl.program_id(0)
+    row = tl.arange(0, 16)[:, None]  # the token in row 0, as in the gate_up kernel
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
+    n_ok = n < H
+    w = W2 + tl.load(IDS + pair) * (H * I)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        a = tl.load(INTER + pair * I + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0)  # [16, K]
+        w_down = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
+        acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
+    tl.store(PER_PAIR + pair * H + row * 0 + n[None, :], acc * tl.load(WEIGHTS + pair),
+             mask=(row == 0) & n_ok[None, :])
+
+
+def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
+    """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in three launches."""
+    pairs = ids.shape[1]
+    inter, hidden = w2.shape[2], x.shape[1]
+    launch = dict(BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype), num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    intermediate = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [k, I]
+    _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
+        x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=config.gate_n, **launch)
+    per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [k, H], weighted
+    _one_token_down_kernel[(pairs, triton.cdiv(hidden, config.down_n))](
+        intermediate, w2, ids, weights, per_pair, H=hidden, I=inter, BLOCK_N=config.down_n, **launch)
+    return _sum_pairs(per_pair, torch.empty_like(x), pairs)
+
+
+def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out [T, H] = per_pair [T·k, H] summed over each token's k pairs, in order."""
+    tokens, hidden = out.shape
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, out.stride(0), TOP_K=top_k, H=hidden,
+                                                               BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               config: FusedMoEConfig | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU. x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous, x's dtype), weights
     [T, k] float32, ids [T, k] int64 (0 <= id < E; checking would read the device) -> [T, H] in x's
-    dtype. No host reads: capturable in a CUDA graph. ``config`` None: ``default_config(T, dtype)``."""
+    dtype. No host reads: capturable in a CUDA graph. ``config`` None: ``one_token_moe`` for one token,
+    else the blocked kernels with ``default_config(T, dtype)``."""
     _check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
            "last dim contiguous")
     tokens, hidden = x.shape
@@ -264,6 +361,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty_like(x)
     if tokens == 0 or top_k == 0:
         return out.zero_()
+    if config is None and tokens == 1:
+        return one_token_moe(x, w13, w2, weights, ids)
     config = config or default_config(tokens, x.dtype)
     sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m)
     blocks = block_expert.shape[0]
@@ -279,7 +378,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     per_pair = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T·k, H], weighted
     _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
         intermediate, w2, sorted_pairs, block_expert, weights, per_pair, num_pairs, H=hidden, I=inter, **launch)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, out.stride(0), TOP_K=top_k, H=hidden,
-                                                               BLOCK_H=block_h, num_warps=4)
-    return out
+    return _sum_pairs(per_pair, out, top_k)

@@ -28,7 +28,8 @@ import torch
 
 from bench_mla_decode import copy_bandwidth, graph_time_us, rel_diff
 from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped
-from encore.backends.moe_triton import FusedMoEConfig, default_config, fused_moe
+from encore.backends.moe_triton import (
+    ONE_TOKEN, FusedMoEConfig, OneTokenConfig, default_config, fused_moe, one_token_moe)
 
 EXPERTS, TOP_K, HIDDEN, INTER = 64, 6, 2048, 1408
 COPIES = 3  # 3.3 GB of layers: a call's experts were evicted by the two calls before it
@@ -63,6 +64,11 @@ def read_bandwidth() -> float:
 
 
 def sweep_configs(tokens: int):
+    if tokens == 1:  # fused_moe's path for one token: the one-token kernels
+        for gate_n, down_n, block_k, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (64, 128),
+                                                                        (2, 4, 8), (3, 4, 5)):
+            yield OneTokenConfig(gate_n, down_n, block_k, warps, stages)
+        return
     block_m = default_config(tokens, torch.bfloat16).block_m
     for block_n, block_k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)):
         yield FusedMoEConfig(block_m, block_n, block_k, warps, stages)
@@ -76,10 +82,11 @@ def measure(case: Case, bandwidth: float, read: float, sweep: bool) -> dict:
            "grouped_us": round(graph_time_us(case.calls(experts_grouped)), 2),
            "rel_diff_fused_vs_grouped": round(rel_diff(case.last(fused_moe), case.last(experts_grouped)), 5)}
     if sweep:
-        best = (row["fused_us"], str(default_config(tokens, torch.bfloat16)))
+        best = (row["fused_us"], str(ONE_TOKEN if tokens == 1 else default_config(tokens, torch.bfloat16)))
+        run = one_token_moe if tokens == 1 else fused_moe
         for config in sweep_configs(tokens):
             try:
-                best = min(best, (graph_time_us(case.calls(fused_moe, config=config)), str(config)))
+                best = min(best, (graph_time_us(case.calls(run, config=config)), str(config)))
             except Exception as exc:  # a tile set past the shared memory: report, keep sweeping
                 if "OutOfResources" not in type(exc).__name__:
                     raise

@@ -152,7 +152,8 @@ class ModelRunner:
         compiles none (backends/kernel_variants.py); returns the steps run. CUDA only: no other device
         compiles kernels on first use.
 
-        The variants: each row of the fused MoE's config table (by token count), the prefill kernel
+        The variants: the fused MoE's one-token kernels and each row of its config table (by token
+        count), the prefill kernel
         (one), and per decode q_len the split-KV decode with one split (many rows, short tables) and
         with several (one row, the widest table), and the decode launch settings the backend picks by
         shape (``AttentionBackend.warm_up_decode``). Each step runs on the dummy page (``scratch_batch``)."""

@@ -24,7 +24,8 @@ if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
 
 from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch, select_experts  # noqa: E402
 from encore.backends.moe_triton import (  # noqa: E402
-    FusedMoEConfig, align_pairs, config_token_counts, default_config, fused_moe, max_blocks)
+    FusedMoEConfig, OneTokenConfig, align_pairs, config_token_counts, default_config, fused_moe, max_blocks,
+    one_token_moe)
 from encore.backends.routing_triton import select_experts_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,6 +123,29 @@ def test_fused_moe_matches_reference(tokens, experts, k, spread, config):
 
 
 @in_process
+@pytest.mark.parametrize("hidden, inter", [(64, 48), (72, 40)])  # K and N tails that do not fill a tile
+def test_one_token_moe_matches_reference(hidden, inter):
+    x, w13, w2, weights, ids = inputs(1, 8, 3, hidden, inter, seed=hidden)
+    config = OneTokenConfig(gate_n=16, down_n=16, block_k=16, num_warps=4, num_stages=1)  # several tiles each
+    ref = experts_torch(x, w13, w2, weights, ids)
+    assert max_rel_error(one_token_moe(x, w13, w2, weights, ids, config), ref) <= 1e-5
+
+
+@in_process
+def test_one_token_goes_through_the_one_token_kernels(monkeypatch):
+    import encore.backends.moe_triton as moe_triton
+
+    def no_alignment(*args):
+        raise AssertionError("one token was aligned into blocks")
+
+    x, w13, w2, weights, ids = inputs(1, 8, 2, 64, 48)
+    monkeypatch.setattr(moe_triton, "align_pairs", no_alignment)
+    assert max_rel_error(fused_moe(x, w13, w2, weights, ids), experts_torch(x, w13, w2, weights, ids)) <= 1e-5
+    with pytest.raises(AssertionError, match="aligned into blocks"):  # a config asks for the blocked kernels
+        fused_moe(x, w13, w2, weights, ids, config=SMALL)
+
+
+@in_process
 def test_fused_moe_float16_and_strided_x():
     x, w13, w2, weights, ids = inputs(9, 8, 2, 64, 48, dtype=torch.float16)
     wide = torch.zeros(9, 80, dtype=torch.float16, device=DEVICE)
@@ -160,14 +184,15 @@ def test_default_config_by_tokens_and_dtype():
     assert default_config(64, torch.float32).block_k == default_config(64, torch.bfloat16).block_k // 2
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 100, 128, 129, 300, 512, 513, 8192])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 100, 128, 129, 300, 512, 513, 8192])
 def test_config_token_counts_reach_every_config_once(max_tokens):
-    """The warm-up's token counts: one per config a step of up to max_tokens tokens can use."""
+    """The warm-up's token counts: 1 for the one-token kernels, then one per config of the blocked
+    kernels that a step of 2 to max_tokens tokens can use."""
     counts = config_token_counts(max_tokens)
-    assert max(counts) <= max_tokens
-    used = [default_config(tokens, torch.bfloat16) for tokens in counts]
+    assert counts[0] == 1 and max(counts) <= max_tokens
+    used = [default_config(tokens, torch.bfloat16) for tokens in counts[1:]]
     assert len(set(used)) == len(used)  # no config twice
-    assert set(used) == {default_config(tokens, torch.bfloat16) for tokens in range(1, max_tokens + 1)}
+    assert set(used) == {default_config(tokens, torch.bfloat16) for tokens in range(2, max_tokens + 1)}
 
 
 # ---------------------------------------------------------------- expert selection (CPU: interpreter)
