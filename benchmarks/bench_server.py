@@ -2,7 +2,8 @@
 requests stepped by an Engine in-process (the peer, measured in the same run).
 
 Both sides run the same greedy requests (text prompts, ``ignore_eos``, ``max_tokens`` each) submitted
-at once, and must produce the same tokens. TTFT is from a request's own submission (its
+at once, and must produce the same tokens: in float32 (the default), since in 16-bit dtypes a row's
+greedy tokens depend on the batch it runs in and the server takes a burst in waves. TTFT is from a request's own submission (its
 ``add_request``, or its client's call) to its first token, TPOT the mean gap between a request's later
 tokens, throughput all output tokens over the wall time from the first submission to the last token. The
 server runs as its own process (``python -m encore.server.cli serve``, which spawns the engine
