@@ -33,6 +33,19 @@ def test_cuda_bfloat16_runs(v3_dir):
     assert torch.get_num_threads() == 1  # engine.serial_host_ops
 
 
+def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_path):
+    """Graphs compiled before the engine gave up torch's pool rejected every later call (dynamo guards
+    the thread count), so a step no key holds ran eager: here a 100-token prompt, past every key."""
+    torch.set_num_threads(4)
+    engine = Engine(device="cuda", dtype="bfloat16", max_model_len=256, graph_cache_dir=str(tmp_path),
+                    graph_decode_sizes=(1,), graph_mixed_decode_sizes=(1,), graph_prefill_tokens=(32,),
+                    graph_extend_sizes=(1,), graph_mixed_extends=(1,))
+    engine.generate([list(range(5, 105))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    stats = engine.stats()
+    assert stats["eager_steps"] == 0 and stats["compiled_steps"] >= 1, stats
+    assert torch.get_num_threads() == 1  # engine.serial_host_ops
+
+
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     engine = Engine(str(v3_dir), device="cuda", dtype="float32", page_size=16, compile=False, cuda_graphs=False)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
