@@ -41,7 +41,8 @@ as one file per family, and a later process loads that file instead of tracing a
 DeepSeek-V2-Lite shape the trace and the re-trace are most of a warm start's compile time (27
 layers, three families), which Inductor's own caches cannot skip. The loaded function checks its
 guards on every call; a call they reject runs the family's ordinary ``torch.compile`` entry, which
-compiles (counted like a recompile). An artifact that does not load is deleted with a warning and
+compiles (counted like a recompile), or eager for a step of no key; the first rejection of each family
+is logged with dynamo's reason. An artifact that does not load is deleted with a warning and
 compiled again; a family that cannot be precompiled (its guards reach an object that does not
 serialize) is compiled the ordinary way, with a warning. What it was compiled from must not change
 under it: the cache's identity covers the torch version and a digest of encore's own sources, so any
@@ -241,6 +242,7 @@ class CompiledFamily:
         self.dynamo = torch.compile(self.entry, backend=backend, fullgraph=True, dynamic=False)
         self.artifact = artifact if _aot_compile_fullgraph() is not None else None
         self.precompiled: Callable | None = None
+        self.rejected = False  # whether the precompiled graph's guards have rejected a call (warned once)
 
     def __call__(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
         if self.artifact is not None and self.precompiled is None:
@@ -270,7 +272,15 @@ class CompiledFamily:
         if self.precompiled is None:
             return None
         inputs = (model, *step_inputs(key, batch, mark=False))
-        return self.precompiled(*inputs) if self.precompiled.guard_check(*inputs) else None
+        if self.precompiled.guard_check(*inputs):
+            return self.precompiled(*inputs)
+        if not self.rejected:
+            self.rejected = True
+            failed = self.precompiled._artifacts.guard_manager.check_verbose(self.precompiled.prepare_f_locals(*inputs))
+            log.warning("the precompiled %s graph's guards reject a step of shape %s (%s): a step of a graph key "
+                        "compiles the family again, one of no key runs eager (warned once per family)",
+                        self.backend.family.value, key, "; ".join(p.strip() for p in failed.verbose_code_parts))
+        return None
 
     def _load(self) -> Callable | None:
         if not self.artifact.is_file():
