@@ -153,10 +153,10 @@ class ModelRunner:
         compiles kernels on first use.
 
         The variants: the fused MoE's one-token kernels and each row of its config table (by token
-        count), the prefill kernel
-        (one), and per decode q_len the split-KV decode with one split (many rows, short tables) and
-        with several (one row, the widest table), and the decode launch settings the backend picks by
-        shape (``AttentionBackend.warm_up_decode``). Each step runs on the dummy page (``scratch_batch``)."""
+        count), the prefill kernel (one), and per decode q_len the split-KV decode with one split (many
+        rows, short tables) and with several (one row, the widest table), and the decode launch
+        settings the backend picks by shape (``AttentionBackend.warm_up_decode``). Each step runs on
+        the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
         from encore.backends.moe_triton import config_token_counts
