@@ -20,7 +20,9 @@ peer's first, then the server's first, ...) so that both sides see the machine i
 reports each metric's median over its trials: one run of a tiny model lasts well under a second, single
 runs scatter, and on the GPU machines whole runs of one side moved by up to 1.6x between calls. One more
 trial of each side runs first, untimed (the in-process peer's first full trial ran at 4-7x its later
-TPOT on the H200s of session 21).
+TPOT on the H200s of session 21). It also reports the median of the paired throughput ratios (each
+server trial over the peer trial just before it): on the H200s of session 22 both sides jumped between
+a fast and a slow state from one trial to the next.
 
 Without --model it serves the embedded encore-tiny checkpoint.
 """
@@ -306,9 +308,13 @@ def main() -> None:
     check_same_tokens(peer, served, args.dtype)
     rows = [median_row("in-process Engine (peer)", peer), median_row("gRPC server", served)]
     ours, theirs = rows[1], rows[0]
+    # Each server trial over the peer trial just before it: the machine's state drifts less within a pair.
+    paired = statistics.median(s["throughput_tok_s"] / p["throughput_tok_s"]
+                               for (p, _), (s, _) in zip(peer, served))
     overhead = {"tpot_ratio": ours["tpot_ms_mean"] / theirs["tpot_ms_mean"],
                 "ttft_ratio": ours["ttft_ms_mean"] / theirs["ttft_ms_mean"],
-                "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"]}
+                "throughput_ratio": ours["throughput_tok_s"] / theirs["throughput_tok_s"],
+                "paired_throughput_ratio": paired}
     print(f"{Path(model).name}: {args.clients} concurrent streams x {args.max_tokens} tokens from "
           f"{args.client_processes} client process(es), {args.listeners} listener(s), {args.device}/{args.dtype}, "
           f"median of {args.trials} trials" + (f"; CPUs: engines {sorted(engine_cpus)}, server {sorted(server_cpus)}, "
@@ -321,7 +327,7 @@ def main() -> None:
         for trial in r["trials"]:
             print(f"{r['path']:26} engine steps {trial['engine']}")
     print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
-          f"throughput x{overhead['throughput_ratio']:.3f}")
+          f"throughput x{overhead['throughput_ratio']:.3f} (median of paired trials x{paired:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "clients": args.clients, "client_processes": args.client_processes,
