@@ -1,4 +1,4 @@
-"""Host ops against torch's intra-op pool (``engine.serial_host_ops``): the time of one host op of a
+"""Host ops against torch's intra-op pool (``model_runner.serial_host_ops``): the time of one host op of a
 CUDA engine's step, ``allocate_bitmask`` (a structured-output step's token bitmask, ``rows`` x vocabulary
 bits), with the pool torch started with and with one thread, in two settings:
 

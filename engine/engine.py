@@ -71,23 +71,6 @@ def prompt_encoder(tokenizer) -> Callable[[str], list[int]] | None:
     return tokenizer.encode
 
 
-def serial_host_ops(device: torch.device) -> None:
-    """Once a CUDA engine has its weights (loading and casting them does use torch's intra-op pool),
-    torch runs host ops on one thread. Between launches the engine's host work is serial Python, while
-    the pool is sized by the CPUs the process could use when torch started, not by a CPU quota (a
-    container's CPU limit) or an affinity narrowed later: an op above the pool's grain (32 k elements,
-    e.g. a structured-output bitmask at bs 64 over a 100 k vocabulary) wakes threads that then spin on
-    the CPUs the engine needs. Held to one CPU after torch started its two-thread pool, the CI machine
-    allocated that bitmask in 7.8 ms instead of 14 µs (benchmarks/README.md, "Host threads").
-
-    Called before anything compiles: dynamo guards each compiled graph on torch's thread count, so a
-    graph compiled under the pool rejected every call made on one thread, and each step that no key
-    holds then ran eager. A CPU engine keeps the pool, which its model runs on."""
-    if device.type == "cuda" and torch.get_num_threads() != 1:
-        log.info("torch host ops: %d threads -> 1 (serial_host_ops)", torch.get_num_threads())
-        torch.set_num_threads(1)
-
-
 class Engine:
     """An MLA model served step by step.
 
@@ -117,7 +100,6 @@ class Engine:
         self._encode = prompt_encoder(self.tokenizer)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(self.config, self.model_config, wanted_len, build_model)
-        serial_host_ops(self.runner.device)  # before anything compiles (its docstring)
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
         progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
         self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step

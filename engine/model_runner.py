@@ -54,6 +54,26 @@ def _eagle3_config(draft_model: str, cfg: ModelConfig) -> Eagle3Config:
 ModelBuilder = Callable[[ModelConfig, AttentionBackend, torch.device, torch.dtype], DeepseekForCausalLM]
 
 
+def serial_host_ops(device: torch.device) -> None:
+    """Once a CUDA model runner has its weights (loading and casting them does use torch's intra-op
+    pool), torch runs host ops on one thread. Between launches the engine's host work is serial
+    Python, while the pool is sized by the CPUs the process could use when torch started, not by a CPU
+    quota (a container's CPU limit) or an affinity narrowed later: an op above the pool's grain (32 k
+    elements, e.g. a structured-output bitmask at bs 64 over a 100 k vocabulary) wakes threads that
+    then spin on the CPUs the engine needs. Held to one CPU after torch started its two-thread pool,
+    the CI machine allocated that bitmask in 7.8 ms instead of 14 µs (benchmarks/README.md, "Host
+    threads").
+
+    Called before anything compiles, in every process that compiles (an engine's, ``encore graphs
+    warmup``, the benchmarks): dynamo guards each compiled graph on torch's thread count, so a graph
+    compiled under the pool rejected every call made on one thread, and each step that no key holds
+    then ran eager; a graph cache written under the pool would be compiled again on loading. A CPU
+    engine keeps the pool, which its model runs on."""
+    if device.type == "cuda" and torch.get_num_threads() != 1:
+        log.info("torch host ops: %d threads -> 1 (serial_host_ops)", torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  build_model: ModelBuilder | None = None) -> None:
@@ -94,6 +114,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the replaced stacks: KV sizing above counted the weights once
         self.eagle3 = load_eagle3(spec.draft_model, draft, self.draft_kv_cache, self.model.model.embed_tokens,
                                   self.device, self.dtype) if draft else None
+        serial_host_ops(self.device)  # before anything compiles (its docstring)
         self.sampler = Sampler()
         # Static page-table width of graph steps; a verify row may reserve k draft slots past the context.
         spec_tokens = spec.num_speculative_tokens if spec is not None else 0

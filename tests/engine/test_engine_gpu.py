@@ -30,7 +30,7 @@ def test_cuda_bfloat16_runs(v3_dir):
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
     assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
-    assert torch.get_num_threads() == 1  # engine.serial_host_ops
+    assert torch.get_num_threads() == 1  # model_runner.serial_host_ops
 
 
 def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_path):
@@ -43,7 +43,7 @@ def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_p
     engine.generate([list(range(5, 105))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     stats = engine.stats()
     assert stats["eager_steps"] == 0 and stats["compiled_steps"] >= 1, stats
-    assert torch.get_num_threads() == 1  # engine.serial_host_ops
+    assert torch.get_num_threads() == 1  # model_runner.serial_host_ops
 
 
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
