@@ -57,10 +57,14 @@ class FusedMoEConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        # The MLA kernels' config checks the same rules on tiles, warps and stages; block_k alone is new.
-        KernelConfig(self.block_m, self.block_n, self.num_warps, self.num_stages)
-        if self.block_k < 16 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 16")
+        _check_tiles(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)
+
+
+def _check_tiles(tile_a: int, tile_b: int, block_k: int, num_warps: int, num_stages: int) -> None:
+    # The MLA kernels' config checks the same rules on tiles, warps and stages; block_k alone is new.
+    KernelConfig(tile_a, tile_b, num_warps, num_stages)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k}: must be a power of two >= 16")
 
 
 # (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
@@ -99,9 +103,7 @@ class OneTokenConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        KernelConfig(self.gate_n, self.down_n, self.num_warps, self.num_stages)
-        if self.block_k < 16 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 16")
+        _check_tiles(self.gate_n, self.down_n, self.block_k, self.num_warps, self.num_stages)
 
 
 # The tiles the blocked kernels had for one token, so the output is the same bit for bit. V2-Lite, bf16,
