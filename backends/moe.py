@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from encore.backends.dense import GEMV_TOKENS, gemv_layout
+
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
                    topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
@@ -55,8 +57,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     the last S = ``num_shared`` columns for shared experts fused into the routed ones
     (``with_shared_experts``): experts E..E + S - 1, each with weight 1. CPU: the reference; CUDA: a
     16-bit GEMM with float32 output (products of 16-bit values are exact in float32: only the
-    summation order differs from a float32 GEMM, and no cast of x or the weight is made) and the
-    selection in one Triton kernel (``routing_triton``)."""
+    summation order differs from a float32 GEMM, and no cast of x or the weight is made; at
+    ``GEMV_TOKENS`` token the GEMV of ``gemv_triton``) and the selection in one Triton kernel
+    (``routing_triton``)."""
     weights, ids = select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method,
                                   n_group, topk_group, norm_topk_prob, routed_scaling_factor)
     if not num_shared:
@@ -69,9 +72,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
       topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
       num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from encore.backends.routing_triton import select_experts_triton  # triton is imported on first use
+    from encore.backends import gemv_triton  # triton is imported on first use
+    from encore.backends.routing_triton import select_experts_triton
 
-    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    if x.shape[0] <= GEMV_TOKENS and gemv_layout(x, weight):
+        logits = gemv_triton.gemv(x, weight, torch.float32)
+    elif x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
     else:
         logits = F.linear(x.float(), weight.float())

@@ -115,7 +115,10 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int64, device=router_logits.device)
     block_e = max(16, triton.next_power_of_2(experts))
-    block_t = min(_MAX_BLOCK_T, max(1, _ELEMENTS_PER_PROGRAM // block_e))
+    if tokens == 1:  # a decode step's one token: one row on one warp, every reduction within the warp
+        block_t, warps = 1, 1
+    else:
+        block_t, warps = min(_MAX_BLOCK_T, max(1, _ELEMENTS_PER_PROGRAM // block_e)), 4
     if tokens:
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             router_logits, bias if bias is not None else router_logits, weights, ids, tokens,
@@ -124,5 +127,5 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
             HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
             BLOCK_G=max(2, triton.next_power_of_2(n_group)), TOPK_GROUP=topk_group,
             NOAUX_TC=topk_method == "noaux_tc", RENORMALIZE=bool(norm_topk_prob), NUM_SHARED=num_shared,
-            BLOCK_T=block_t)
+            BLOCK_T=block_t, num_warps=warps)
     return weights, ids

@@ -175,11 +175,13 @@ class ModelRunner:
 
         The variants: the fused MoE's one-token kernels and each row of its config table (by token
         count), the prefill kernel (one), and per decode q_len the split-KV decode with one split (many
-        rows, short tables) and with several (one row, the widest table), and the decode launch
-        settings the backend picks by shape (``AttentionBackend.warm_up_decode``). Each step runs on
+        rows, short tables) and with several (one row, the widest table), the decode launch
+        settings the backend picks by shape (``AttentionBackend.warm_up_decode``), and the small-M GEMV
+        (``encore::dense``, the router) per reduction length of the model's weights. Each step runs on
         the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
+        from encore.backends import gemv_triton
         from encore.backends.moe_triton import config_token_counts
 
         page = config.page_size
@@ -199,6 +201,9 @@ class ModelRunner:
             self._forward_eager(scratch_batch(extend_lens, decodes, q_len, width, page, self.device))
         for q in sorted(q_lens):
             self.backend.warm_up_decode(q)
+        modules = [self.model] + ([self.eagle3] if self.eagle3 is not None else [])
+        gemv_triton.warm_up({p.shape[1] for m in modules for p in m.parameters() if p.dim() == 2}, self.dtype,
+                            self.device)
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)

@@ -7,7 +7,9 @@ from encore.passes.fuse_qkv_a_proj import FuseQkvAProj
 from encore.passes.fuse_rope_cache_write import FuseRopeCacheWrite
 from encore.passes.mla_dispatch_split import MlaDispatchSplit
 from encore.passes.shared_o_proj import SharedOProj
+from encore.passes.small_m_gemv import SmallMGemv
 
 
 def passes_for(family: ForwardMode) -> list:
-    return [FuseQkvAProj(), FuseRopeCacheWrite(), MlaDispatchSplit(family), SharedOProj()]
+    passes = [FuseQkvAProj(), FuseRopeCacheWrite(), MlaDispatchSplit(family), SharedOProj()]
+    return passes + [SmallMGemv()] if family is ForwardMode.DECODE else passes

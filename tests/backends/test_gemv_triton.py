@@ -1,0 +1,201 @@
+"""The small-M GEMV (``gemv_triton.gemv``) and the ``encore::dense`` op against float32 torch.
+
+Without CUDA the kernel runs in Triton's interpreter (float32 and float16; see test_moe_triton.py's
+docstring for why the CPU tests may run in a child process); the GPU tests (``-m gpu``) cover
+bfloat16 at DeepSeek's shapes, the programmatic dependent launch inside a CUDA graph, and the op's
+dispatch by token count.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRETER_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
+                        and os.environ.get("TRITON_INTERPRET") != "1")
+if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, dense  # noqa: E402
+from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+in_process = pytest.mark.skipif(INTERPRETER_TOO_LATE, reason="triton was imported before the interpreter was "
+                                "enabled; test_cpu_tests_in_child_process runs these")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def operands(tokens: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, row_stride: int | None = None):
+    """x [tokens, k] (rows ``row_stride`` apart), w [n, k], scaled so outputs are O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    stride = row_stride or k
+    x = torch.randn(tokens, stride, generator=gen).to(DEVICE, dtype)[:, :k]
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+    return x, w
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@in_process
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(37, 1408), (64, 256), (5, 100), (17, 4096)])
+def test_matches_float32(tokens, n, k):
+    x, w = operands(tokens, n, k, torch.float32, seed=tokens)
+    assert rel_err(gemv(x, w), x @ w.t()) < 1e-5
+
+
+@in_process
+def test_strided_rows_float16_and_float32_out():
+    x, w = operands(3, 24, 192, torch.float16, row_stride=320)
+    assert x.stride(0) == 320
+    ref = x.float() @ w.float().t()
+    out = gemv(x, w, torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-5
+    half = gemv(x, w)
+    assert half.dtype == torch.float16 and rel_err(half, ref) < 2e-3
+
+
+def test_tile_holds_the_whole_reduction():
+    for k in (100, 128, 1408, 2048, 7168, GEMV_MAX_K):
+        for k_contiguous in (True, False):
+            block_n, block_k = tile(k, 512, k_contiguous)
+            assert block_k >= k and block_n * block_k <= GEMV_MAX_K and block_n >= 1
+
+
+@in_process
+@pytest.mark.parametrize("x_shape, w_shape, dtype, match", [
+    ((MAX_TOKENS + 1, 64), (8, 64), torch.float32, r"x \(5, 64\)"),
+    ((1, 64), (8, 32), torch.float32, r"w \(8, 32\)"),
+    ((1, GEMV_MAX_K + 16), (8, GEMV_MAX_K + 16), torch.float32, "K <= 16384"),
+    ((1, 64), (8, 64), torch.int32, "torch.int32"),
+])
+def test_rejects_what_it_cannot_take(x_shape, w_shape, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        gemv(torch.zeros(x_shape, dtype=dtype, device=DEVICE), torch.zeros(w_shape, dtype=dtype, device=DEVICE))
+
+
+@in_process
+def test_rejects_a_transposed_weight():
+    w = torch.zeros(64, 8, device=DEVICE).t()
+    with pytest.raises(ValueError, match=r"stride \(1, 8\)"):
+        gemv(torch.zeros(1, 64, device=DEVICE), w)
+
+
+def test_dense_op_on_cpu_is_the_matmul():
+    x, w = torch.randn(3, 40), torch.randn(7, 40)
+    assert torch.equal(dense(x, w), torch.mm(x, w.t()))
+
+
+@pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
+def test_cpu_tests_in_child_process():
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- GPU: bf16, real shapes, graphs, dispatch
+
+# bf16 operands, float32 sums, one bf16 rounding of each output (2^-8 relative).
+BF16_TOL = 5e-3
+SHAPES = [(3648, 2048), (2048, 2048), (64, 2048), (2112, 7168), (7168, 16384), (2048, 10944)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_bf16_real_shapes_gpu(n, k, tokens):
+    x, w = operands(tokens, n, k, torch.bfloat16, seed=n + tokens)
+    ref = x.float() @ w.float().t()
+    assert rel_err(gemv(x, w), ref) < BF16_TOL
+    assert rel_err(gemv(x, w, torch.float32), ref) < 1e-5
+    assert torch.equal(gemv(x, w), gemv(x, w, pdl=False))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_chain_in_a_cuda_graph_gpu():
+    """Each call reads the one before it: with PDL a call's weights load early, but x (the previous
+    output) only after that kernel completes. The replay on new inputs must equal eager calls."""
+    ws = [operands(1, 2048, 2048, torch.bfloat16, seed=s)[1] for s in range(6)]
+    static = torch.zeros(2, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x):
+        for w in ws:
+            x = torch.nn.functional.silu(gemv(x, w)) * 4
+        return x
+
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    x = operands(2, 1, 2048, torch.bfloat16, seed=9)[0]
+    static.copy_(x)
+    graph.replay()
+    assert torch.equal(out, chain(x))
+    ref = x.float()
+    for w in ws:
+        ref = torch.nn.functional.silu(ref @ w.float().t()) * 4
+    assert rel_err(out, ref) < 3e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dense_op_dispatch_by_tokens_gpu():
+    """``encore::dense``: the GEMV at GEMV_TOKENS tokens, cuBLAS past it (bit for bit each)."""
+    for tokens in range(1, GEMV_TOKENS + 3):
+        x, w = operands(tokens, 3648, 2048, torch.bfloat16, seed=tokens)
+        want = gemv(x, w) if tokens <= GEMV_TOKENS else torch.mm(x, w.t())
+        assert torch.equal(torch.ops.encore.dense(x, w), want), tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [16, 128])
+def test_batched_absorbed_projections_gpu(heads):
+    """MLA's absorbed products per head at one token, on views of kv_b_proj's weight as the Triton
+    backend passes them: q_lat = q_nope · W_UK (N contiguous) and out = o_lat · W_UVᵀ (K contiguous),
+    written into a strided output."""
+    dn, dv, rank = 128, 128, 512
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    w_kv = torch.randn(heads, dn + dv, rank, generator=gen, device="cuda").bfloat16() * rank ** -0.5
+    w_kc, w_vc = w_kv.split([dn, dv], dim=1)  # [H, dn, R], [H, dv, R]
+    q_nope = torch.randn(1, heads, dn + 64, generator=gen, device="cuda").bfloat16()[:, :, :dn]
+    q_lat = torch.empty(1, heads, rank, device="cuda", dtype=torch.bfloat16)
+    batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
+    ref = torch.einsum("thd,hdr->thr", q_nope.float(), w_kc.float())
+    assert rel_err(q_lat, ref) < BF16_TOL
+    o_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").bfloat16()
+    out = torch.empty(1, 2 * heads, dv, device="cuda", dtype=torch.bfloat16)[:, ::2]  # every other head
+    batched_gemv(o_lat, w_vc, out)
+    assert rel_err(out, torch.einsum("thr,hvr->thv", o_lat.float(), w_vc.float())) < BF16_TOL
+
+
+@in_process
+def test_batched_matches_float32_both_layouts():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 40, generator=gen).to(DEVICE)
+    w = torch.randn(3, 24, 40, generator=gen).to(DEVICE)
+    out = torch.empty(2, 3, 24, device=DEVICE)
+    batched_gemv(x, w, out)
+    ref = torch.einsum("mgk,gnk->mgn", x, w)
+    assert rel_err(out, ref) < 1e-5
+    w_n_contiguous = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, N contiguous
+    assert w_n_contiguous.stride(1) == 1
+    out2 = torch.empty(2, 3, 24, device=DEVICE)
+    batched_gemv(x, w_n_contiguous, out2)
+    assert rel_err(out2, ref) < 1e-5
+
+
+@in_process
+def test_batched_rejects_a_weight_with_neither_dim_contiguous():
+    w = torch.zeros(3, 24, 80, device=DEVICE)[:, :, ::2]
+    with pytest.raises(ValueError, match=r"w \(3, 24, 40\)"):
+        batched_gemv(torch.zeros(1, 3, 40, device=DEVICE), w, torch.empty(1, 3, 24, device=DEVICE))
