@@ -1,19 +1,22 @@
 """``encore::dense``: a dense projection x · wᵀ that a one-token step runs through a GEMV.
 
 The small-M GEMV pass (passes/small_m_gemv.py) puts this op in place of a DECODE graph's weight
-GEMMs where the GEMV takes their layout (``gemv_layout``). A step of
-``GEMV_TOKENS`` token on CUDA then runs the Triton GEMV (gemv_triton.py: the weight read overlaps
-the kernel before it); a larger step, and the CPU, run ``torch.mm`` as before (past one token
-cuBLAS is the faster one).
+GEMMs that the GEMV runs faster (``use_gemv``). A step of ``GEMV_TOKENS`` token on CUDA then runs
+the Triton GEMV (gemv_triton.py: the weight read overlaps the kernel before it); a larger step, and
+the CPU, run ``torch.mm`` as before (past one token cuBLAS is the faster one).
 """
 
 from __future__ import annotations
 
 import torch
 
-# Where the GEMV runs instead of cuBLAS: one token (bench_small_m.py, H100: 0.26-0.95x cuBLAS's time at
-# every DeepSeek shape with one token; with two, 0.39-1.11x; with four, up to 1.58x).
+# Where the GEMV runs instead of cuBLAS (bench_small_m.py): one token, weights of at most 2^24 elements.
+# At one token it took 0.27-0.97x cuBLAS's time for DeepSeek's projections and routers up to V3's
+# q_a/kv_a (15M elements) on an H200, 0.26-0.95x on an H100; past that the devices disagree (H200:
+# 1.01x V3's q_b, 1.06x V2-Lite's LM head, 1.20x V3's o_proj). From two tokens cuBLAS wins the large
+# shapes (up to 2.5x at four).
 GEMV_TOKENS = 1
+GEMV_MAX_WEIGHT = 1 << 24
 GEMV_MAX_K = 16384  # the whole reduction in one register tile of at most this many elements
 
 
@@ -30,11 +33,17 @@ def gemv_layout(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.stride(1) == 1 and w.stride(1) == 1)
 
 
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a one-token x · wᵀ runs on the GEMV: a layout it takes and a weight of at most
+    GEMV_MAX_WEIGHT elements."""
+    return gemv_layout(x, w) and w.numel() <= GEMV_MAX_WEIGHT
+
+
 @dense.register_kernel("cuda")
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from encore.backends import gemv_triton  # triton is imported on first use
 
-    if x.shape[0] <= GEMV_TOKENS and gemv_layout(x, w):
+    if x.shape[0] <= GEMV_TOKENS and use_gemv(x, w):
         return gemv_triton.gemv(x, w)
     return torch.mm(x, w.t())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
-from encore.backends.dense import GEMV_TOKENS
+from encore.backends.dense import GEMV_MAX_WEIGHT, GEMV_TOKENS
 from encore.backends.gemv_triton import batched_gemv
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_mla import mla_decode, mla_prefill, warm_up_decode
@@ -89,7 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
         dtype = q_nope.dtype
         w_kc, w_vc = w_kc.to(dtype), w_vc.to(dtype)
-        if q_nope.shape[0] <= GEMV_TOKENS:  # per head, the GEMV of encore::dense (bench_small_m.py)
+        if q_nope.shape[0] <= GEMV_TOKENS and w_kc.numel() <= GEMV_MAX_WEIGHT:  # encore::dense's rule, per head
             q_lat = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])  # [T, H, R]
             batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
             o_lat = torch.empty_like(q_lat)

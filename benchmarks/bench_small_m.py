@@ -5,7 +5,9 @@ GEMV (``gemv_triton.gemv``, the kernel behind ``encore::dense``), launched as a 
 Each variant is timed as a CUDA graph of back-to-back calls, the way a decode step's graph runs them:
 every call reads its own copy of the weight (the copies together are several times the L2, so every
 call reads from HBM) and writes a fresh output. µs per call; floor = weight bytes / copy bandwidth
-(read + write) of a large ``copy_`` measured in the same run. Shapes: DeepSeek-V2-Lite's fused
+(read + write) of a large ``copy_`` replayed in a CUDA graph, measured after the timings in the same
+run (a graph's copy measures lower than an eager one, so this floor is loose; the measurement is the
+ratio to cuBLAS). Shapes: DeepSeek-V2-Lite's fused
 q/kv_a projection, o_proj, router (float32 logits) and LM head, and V3's q_a/kv_a, q_b, o_proj and
 router.
 

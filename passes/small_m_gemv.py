@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from torch import fx
 
-from encore.backends.dense import gemv_layout
+from encore.backends.dense import use_gemv
 from encore.passes.fx_utils import aten, call, encore, find_op_nodes, is_op, val
 
 
 class SmallMGemv:
     """Per GEMM of an activation with a weight (a graph input, or the ``as_strided`` view of weights
-    that ``FuseQkvAProj`` makes) whose layout the GEMV takes::
+    that ``FuseQkvAProj`` makes) that the GEMV runs faster (``dense.use_gemv``: its layout, its size)::
 
         before                                        after
         o = mm(x, t(w))            [T, N]             o = dense(x, w)            [T, N]
@@ -30,7 +30,7 @@ class SmallMGemv:
         for mm in find_op_nodes(graph, aten.mm.default):
             x, transpose = mm.args
             if not (is_op(transpose, aten.t.default) and _is_weight(transpose.args[0])
-                    and gemv_layout(val(x), val(transpose.args[0]))):
+                    and use_gemv(val(x), val(transpose.args[0]))):
                 continue
             with graph.inserting_before(mm):
                 projected = call(graph, encore.dense.default, x, transpose.args[0])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from encore.backends.dense import GEMV_MAX_WEIGHT
 from encore.passes.small_m_gemv import SmallMGemv
 from graph_helpers import op_counts, rel_err
 
@@ -33,18 +34,25 @@ def test_not_in_prompt_families(mode, pipeline):
 
 
 def test_leaves_other_matmuls():
-    """An activation times an activation, and a weight the GEMV cannot read row by row (a graph input
-    stored transposed: its K is not contiguous), stay ``mm``."""
+    """An activation times an activation, a weight the GEMV cannot read row by row (a graph input
+    stored transposed: its K is not contiguous) and a weight past GEMV_MAX_WEIGHT elements (cuBLAS
+    is faster there) stay ``mm``."""
 
-    def step(x, w):
+    def step(x, w, big):
         a = x * 2
         y = torch.mm(a, torch.t(a))
-        return torch.mm(y, torch.t(w))
+        return torch.mm(y, torch.t(w)), torch.mm(x, torch.t(big))
 
     w = torch.randn(4, 6).t()  # [N 6, K 4], stride (1, 6)
-    graph = make_fx(step, tracing_mode="fake")(torch.randn(4, 8), w).graph
+    big = torch.empty(GEMV_MAX_WEIGHT // 8 + 1, 8)
+    graph = make_fx(step, tracing_mode="fake")(torch.randn(4, 8), w, big).graph
     assert [n.meta["val"].stride() for n in graph.find_nodes(op="placeholder")][1] == (1, 6)
     before = op_counts(graph)
     gemv = SmallMGemv()
     gemv(graph)
-    assert gemv.matches == 0 and op_counts(graph) == before and before[MM] == 2
+    assert gemv.matches == 0 and op_counts(graph) == before and before[MM] == 3
+
+    small = torch.empty(GEMV_MAX_WEIGHT // 8, 8)  # at the limit: rewritten
+    graph = make_fx(step, tracing_mode="fake")(torch.randn(4, 8), w, small).graph
+    gemv(graph)
+    assert gemv.matches == 1 and op_counts(graph)[DENSE] == 1
