@@ -23,13 +23,14 @@ weight whose K (or, batched, N) is contiguous.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
 from encore.backends.dense import GEMV_MAX_K, gemv_layout
-from encore.backends.triton_mla import _check
 
 MAX_TOKENS = 4  # rows of x a call takes (each is multiplied against the weight registers in turn)
 _MAX_BLOCK_N = 8  # weight rows a program holds when K is contiguous (whole rows of 16-byte vectors)
@@ -79,10 +80,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     """x [M, K] · w [N, K]ᵀ -> [M, N] in ``out_dtype`` (default x's), float32 sums, M <= MAX_TOKENS.
     ``pdl``: launch as a programmatic dependent (sm90+); False launches it plainly (bench_small_m.py's
     comparison)."""
-    _check(gemv_layout(x, w) and 0 < x.shape[0] <= MAX_TOKENS and x.device == w.device,
-           f"gemv takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit dtype and "
-           f"device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride {x.stride()} on {x.device}, "
-           f"w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
+    if not (gemv_layout(x, w) and 0 < x.shape[0] <= MAX_TOKENS and x.device == w.device):
+        raise ValueError(f"gemv takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit "
+                         f"dtype and device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride "
+                         f"{x.stride()} on {x.device}, w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     _launch(x[:, None], w[None], out[:, None], pdl)
     return out
@@ -98,10 +99,11 @@ def batched_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool 
           and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.dtype == x.dtype
           and x.stride(2) == out.stride(2) == 1 and 1 in (w.stride(1), w.stride(2))
           and x.device == w.device == out.device)
-    _check(ok, f"batched_gemv takes x [M <= {MAX_TOKENS}, G, K <= {GEMV_MAX_K}], w [G, N, K] with K or N "
-               f"contiguous and out [M, G, N], x and w of one 16/32-bit dtype, on one device; got x "
-               f"{tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype} stride {w.stride()}, "
-               f"out {tuple(out.shape)} stride {out.stride()}")
+    if not ok:
+        raise ValueError(f"batched_gemv takes x [M <= {MAX_TOKENS}, G, K <= {GEMV_MAX_K}], w [G, N, K] with K or "
+                         f"N contiguous and out [M, G, N], x and w of one 16/32-bit dtype, on one device; got x "
+                         f"{tuple(x.shape)} {x.dtype} stride {x.stride()}, w {tuple(w.shape)} {w.dtype} stride "
+                         f"{w.stride()}, out {tuple(out.shape)} stride {out.stride()}")
     _launch(x, w, out, pdl)
     return out
 
@@ -111,11 +113,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool) -> N
     n = w.shape[1]
     k_contiguous = w.stride(2) == 1
     block_n, block_k = tile(k, n, k_contiguous)
-    pdl = pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = pdl and x.is_cuda and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
         x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
         out.stride(0), out.stride(1), K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    """Programmatic dependent launch: sm90 (Hopper) and newer."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:

@@ -10,8 +10,10 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
 shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions
-and GPU, and a digest of encore's own sources: a precompiled graph holds dynamo's bytecode of the
-model and the passes' output, so the cache must not outlive an edit to either. A different identity
+and GPU, a digest of encore's own sources (a precompiled graph holds dynamo's bytecode of the model
+and the passes' output, so the cache must not outlive an edit to either), and a digest of Inductor's
+settings (``TORCHINDUCTOR_*`` variables among them: a precompiled graph is Inductor's output, which a
+change of them would not otherwise rebuild). A different identity
 is a different directory. Within one, a manifest that cannot be read, names another identity, or
 points at artifacts that are gone is stale or corrupt: the directory is deleted with a warning and
 rebuilt, never used. Inductor keys its own entries by graph and version too, so the manifest check
@@ -86,7 +88,17 @@ def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
         "versions": {"encore": _version("encore"), "torch": torch.__version__, "triton": _version("triton"),
                      "python": platform.python_version()},
         "encore_source": source_digest(),
+        "inductor_config": inductor_config_digest() if config.use_compile else None,
     }
+
+
+def inductor_config_digest() -> str:
+    """A digest of Inductor's settings as its own FX-graph cache keys them (``save_config_portable``: no
+    paths, thread counts or other per-machine values)."""
+    from torch._inductor import config as inductor_config
+
+    settings = json.dumps(inductor_config.save_config_portable(), sort_keys=True, default=repr)
+    return hashlib.sha256(settings.encode()).hexdigest()[:16]
 
 
 def _digest(ident: dict) -> str:

@@ -6,6 +6,8 @@ import argparse
 import io
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -123,3 +125,21 @@ def test_list_reports_an_older_manifest_format_by_its_format(tmp_path):
     out = io.StringIO()
     assert list_manifest(tmp_path, out=out) == []
     assert "manifest format 2; it will be rebuilt" in out.getvalue()
+
+
+def test_identity_follows_inductor_settings(v3_dir, tmp_path):
+    """A TORCHINDUCTOR_* variable (here Inductor's PDL switch) changes what a precompiled graph holds,
+    so it must change the cache directory; the same settings give the same one in another process."""
+    from torch._inductor import config as inductor_config
+
+    from encore.graphs.cache import identity, inductor_config_digest
+
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    model_config = ModelConfig.from_pretrained(v3_dir)
+    before = GraphCache.for_engine(config, model_config).root
+    with inductor_config.patch({"triton.enable_pdl": not inductor_config.triton.enable_pdl}):
+        assert GraphCache.for_engine(config, model_config).root != before
+    assert GraphCache.for_engine(config, model_config).root == before
+    child = subprocess.run([sys.executable, "-c", "import encore.engine; from encore.graphs.cache import "
+                            "inductor_config_digest; print(inductor_config_digest())"], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
