@@ -34,11 +34,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from encore.engine.config import EngineConfig
 from encore.graphs.keys import keys_for
-from encore.models.config import ModelConfig
+
+if TYPE_CHECKING:  # encore.engine imports this module: only the annotations need these
+    from encore.engine.config import EngineConfig
+    from encore.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

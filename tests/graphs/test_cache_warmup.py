@@ -140,6 +140,6 @@ def test_identity_follows_inductor_settings(v3_dir, tmp_path):
     with inductor_config.patch({"triton.enable_pdl": not inductor_config.triton.enable_pdl}):
         assert GraphCache.for_engine(config, model_config).root != before
     assert GraphCache.for_engine(config, model_config).root == before
-    child = subprocess.run([sys.executable, "-c", "import encore.engine; from encore.graphs.cache import "
-                            "inductor_config_digest; print(inductor_config_digest())"], capture_output=True, text=True, check=True)
+    child = subprocess.run([sys.executable, "-c", "from encore.graphs.cache import inductor_config_digest; "
+                            "print(inductor_config_digest())"], capture_output=True, text=True, check=True)
     assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
