@@ -177,11 +177,12 @@ class ModelRunner:
         count), the prefill kernel (one), and per decode q_len the split-KV decode with one split (many
         rows, short tables) and with several (one row, the widest table), the decode launch
         settings the backend picks by shape (``AttentionBackend.warm_up_decode``), and the small-M GEMV
-        (``encore::dense``, the router) per reduction length of the model's weights. Each step runs on
+        (``encore::dense``, the router) per reduction length of the weights it runs. Each step runs on
         the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
         from encore.backends import gemv_triton
+        from encore.backends.dense import GEMV_MAX_WEIGHT
         from encore.backends.moe_triton import config_token_counts
 
         page = config.page_size
@@ -202,8 +203,8 @@ class ModelRunner:
         for q in sorted(q_lens):
             self.backend.warm_up_decode(q)
         modules = [self.model] + ([self.eagle3] if self.eagle3 is not None else [])
-        gemv_triton.warm_up({p.shape[1] for m in modules for p in m.parameters() if p.dim() == 2}, self.dtype,
-                            self.device)
+        gemv_triton.warm_up({p.shape[1] for m in modules for p in m.parameters()
+                             if p.dim() == 2 and p.numel() <= GEMV_MAX_WEIGHT}, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)
