@@ -2,7 +2,7 @@
 
 At one to four tokens a projection reads its whole weight to produce a handful of values: its time is
 the weight read plus a launch's fixed cost. cuBLAS's kernels at M = 1 take 5-7 µs a projection of
-DeepSeek-V2-Lite (2-4 MB of bf16 weight, 1-3.5 µs at copy bandwidth), and in a decode step every
+DeepSeek-V2-Lite (8-15 MB of bf16 weight, 2-3.5 µs at copy bandwidth), and in a decode step every
 kernel starts only once the one before it has drained.
 
 Each program here owns BLOCK_N weight rows over all of K, loads them into registers first, and only
