@@ -1,31 +1,22 @@
 """The small-M GEMV (``gemv_triton.gemv``) and the ``encore::dense`` op against float32 torch.
 
-Without CUDA the kernel runs in Triton's interpreter (float32 and float16; see test_moe_triton.py's
-docstring for why the CPU tests may run in a child process); the GPU tests (``-m gpu``) cover
+Without CUDA the kernel runs in Triton's interpreter (float32 and float16; ``triton_interpreter.py``
+says why the CPU tests may run in a child process); the GPU tests (``-m gpu``) cover
 bfloat16 at DeepSeek's shapes, the programmatic dependent launch inside a CUDA graph, and the op's
 dispatch by token count.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INTERPRETER_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
-                        and os.environ.get("TRITON_INTERPRET") != "1")
-if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, dense  # noqa: E402
-from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile  # noqa: E402
+from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, dense
+from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-in_process = pytest.mark.skipif(INTERPRETER_TOO_LATE, reason="triton was imported before the interpreter was "
-                                "enabled; test_cpu_tests_in_child_process runs these")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -92,11 +83,7 @@ def test_dense_op_on_cpu_is_the_matmul():
     assert torch.equal(dense(x, w), torch.mm(x, w.t()))
 
 
-@pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
-def test_cpu_tests_in_child_process():
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+test_cpu_tests_in_child_process = rerun_in_child(__file__)
 
 
 # ---------------------------------------------------------------- GPU: bf16, real shapes, graphs, dispatch

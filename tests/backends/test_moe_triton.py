@@ -3,35 +3,26 @@ Triton expert selection against ``select_experts``.
 
 Without CUDA the kernels run in Triton's interpreter, on tiny shapes; TRITON_INTERPRET must be set
 before triton is first imported, so when another module imported it first the CPU tests skip and
-run again in a child process (as in test_triton_mla.py, whose docstring says why). The interpreter's
+run again in a child process (``triton_interpreter.py`` says why). The interpreter's
 bfloat16 dot is wrong, so CPU tests use float32 and float16; the GPU tests (``-m gpu``) cover
 bfloat16, CUDA-graph replay, the op's dispatch and DeepSeek's real shapes.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INTERPRETER_TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
-                        and os.environ.get("TRITON_INTERPRET") != "1")
-if not torch.cuda.is_available() and not INTERPRETER_TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch, select_experts  # noqa: E402
-from encore.backends.moe_triton import (  # noqa: E402
+from encore.backends.moe import FUSED_MOE_MAX_PAIRS, experts_grouped, experts_torch, select_experts
+from encore.backends.moe_triton import (
     FusedMoEConfig, OneTokenConfig, align_pairs, config_token_counts, default_config, fused_moe, max_blocks,
     one_token_moe)
-from encore.backends.routing_triton import select_experts_triton  # noqa: E402
+from encore.backends.routing_triton import select_experts_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)  # several N and K tiles
-in_process = pytest.mark.skipif(INTERPRETER_TOO_LATE, reason="triton was imported before the interpreter was "
-                                "enabled; test_cpu_tests_in_child_process runs these")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -297,11 +288,7 @@ def test_select_experts_rejects_bad_inputs():
         select_experts_triton(logits, bias, *params, num_shared=-1)
 
 
-@pytest.mark.skipif(not INTERPRETER_TOO_LATE, reason="the CPU tests ran in this process")
-def test_cpu_tests_in_child_process():
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+test_cpu_tests_in_child_process = rerun_in_child(__file__)
 
 
 # ---------------------------------------------------------------- GPU: bf16, real shapes, graphs, dispatch

@@ -2,30 +2,24 @@
 rows on both of its paths, eager and static), its selection by the engine, and its greedy tokens inside
 CUDA graphs.
 
-Without CUDA the float32 comparisons run in Triton's interpreter, as in ``test_triton_mla`` (whose
-docstring says why TRITON_INTERPRET must be set before triton is imported, and why a child process runs
-them when another module imported triton first); bfloat16 and the engine run only on the GPU (``-m gpu``).
+Without CUDA the float32 comparisons run in Triton's interpreter (``triton_interpreter.py`` says why
+TRITON_INTERPRET must be set before triton is imported, and why a child process runs them when another
+module imported triton first); bfloat16 and the engine run only on the GPU (``-m gpu``).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
-            and os.environ.get("TRITON_INTERPRET") != "1")
-if not torch.cuda.is_available() and not TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.triton_backend import TritonAttentionBackend  # noqa: E402
-from attention_cases import LAYOUTS, check_against_torch  # noqa: E402
+from encore.backends.triton_backend import TritonAttentionBackend
+from attention_cases import LAYOUTS, check_against_torch
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-in_process = pytest.mark.skipif(TOO_LATE, reason="triton was imported before the interpreter was enabled; "
-                                "test_cpu_tests_in_child_process runs these")
+
+
 @in_process
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test covers this on CUDA")
 @pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
@@ -35,11 +29,7 @@ def test_matches_torch_in_interpreter(layout, page_size, static):
     check_against_torch(TritonAttentionBackend, *LAYOUTS[layout], page_size, torch.float32, static=static)
 
 
-@pytest.mark.skipif(not TOO_LATE, reason="the CPU tests ran in this process")
-def test_cpu_tests_in_child_process():
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+test_cpu_tests_in_child_process = rerun_in_child(__file__)
 
 
 @pytest.mark.gpu

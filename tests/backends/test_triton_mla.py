@@ -1,38 +1,24 @@
 """encore's Triton MLA kernels against float32 torch references.
 
-Without CUDA the kernels run in Triton's interpreter (numpy on CPU tensors). TRITON_INTERPRET must be
-set before triton is first imported (triton's own library functions are decorated then); it only
-changes how Triton kernels launch, and a CPU-only process cannot launch compiled ones anyway, so
-leaving it set for the rest of the session harms no other test. If another module imported triton
-first (torch._inductor does), this process cannot switch: the CPU tests here skip and
-``test_cpu_tests_in_child_process`` runs this module again in a child process that sets it.
-The interpreter's bfloat16 tl.dot is wrong in triton 3.9 (it multiplies the raw bits), so CPU tests
-use float32 and float16; bfloat16 is covered by the GPU tests (``-m gpu``), which use the real sizes.
+Without CUDA the kernels run in Triton's interpreter (``triton_interpreter.py``: why it must be enabled
+before triton is imported, and the child process that runs these tests when it could not be), in
+float32 and float16; bfloat16 is covered by the GPU tests (``-m gpu``), which use the real sizes.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-TOO_LATE = (not torch.cuda.is_available() and "triton" in sys.modules
-            and os.environ.get("TRITON_INTERPRET") != "1")
-if not torch.cuda.is_available() and not TOO_LATE:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.triton_mla import (  # noqa: E402
+from encore.backends.triton_mla import (
     MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, mla_prefill,
     warm_up_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-in_process = pytest.mark.skipif(TOO_LATE, reason="triton was imported before the interpreter was enabled; "
-                                "test_cpu_tests_in_child_process runs these")
 
 
 # ---------------------------------------------------------------- references (float32, one row at a time)
@@ -284,11 +270,7 @@ def test_prefill_rejects_bad_inputs():
         mla_prefill(q, k, v, qo, kv, prefix, 0.2, out[..., :8])
 
 
-@pytest.mark.skipif(not TOO_LATE, reason="the CPU tests ran in this process")
-def test_cpu_tests_in_child_process():
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    assert child.returncode == 0, child.stdout[-5000:] + child.stderr[-2000:]
+test_cpu_tests_in_child_process = rerun_in_child(__file__)
 
 
 # ---------------------------------------------------------------- GPU: real sizes, CUDA graphs
