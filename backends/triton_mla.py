@@ -50,7 +50,10 @@ MAX_KV_SPLITS = 64
 # A split shorter than this costs more in its fixed work (the query load, the merge) than it saves
 # (benchmarks/tune_mla_decode.py: bs 1 × 1k keys runs fastest at 32 splits of 32 keys).
 MIN_KEYS_PER_SPLIT = 32
-_MERGE_CHUNK = 16  # splits a merge program loads at once
+# Partial values a merge program loads at once (64 float32 a thread on four warps): all 64 splits of a
+# 128-column block in one round (bs 1 × 1k keys with 64 splits, H200: 11.8 -> 9.9 µs a layer for
+# split + merge, against 16 splits a round), 16 splits a round of whole 512-wide rows.
+_MERGE_TILE = 8192
 _MERGE_FEW_ROWS_COLUMNS = 128
 _ROW_CHUNK = tl.constexpr(16)  # prefill rows scanned at a time when a program looks for its row
 
@@ -266,7 +269,7 @@ def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits
     # One program per (token, head, BLOCK_C latent columns), loading CHUNK_S splits' slices at a time: up
     # to CHUNK_S splits merge in one round of loads (a loop over single splits was ~8 µs per layer at
     # bs 1 × 34 splits, longer than the split kernel itself), and column blocks give a one-row step
-    # programs enough to spread its loads over the SMs.
+    # programs enough to spread its loads over the SMs (and, narrower, more splits a round).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [C] latent columns
@@ -349,10 +352,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages)
     if not direct:
-        block_c = _merge_columns(tokens, heads, num_sms, block_r)
+        block_c, block_s = _merge_columns(tokens, heads, num_sms, block_r), triton.next_power_of_2(MAX_KV_SPLITS)
         _decode_merge_kernel[(tokens, heads, triton.cdiv(rank, block_c))](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
-            BLOCK_S=triton.next_power_of_2(MAX_KV_SPLITS), CHUNK_S=_MERGE_CHUNK, BLOCK_C=block_c, num_warps=4)
+            BLOCK_S=block_s, CHUNK_S=min(block_s, _MERGE_TILE // block_c), BLOCK_C=block_c, num_warps=4)
     return out
 
 

@@ -113,7 +113,7 @@ def make_prefill(rows, heads, dim, dim_v, dtype, seed=0):
 @pytest.mark.parametrize("q_len", [1, 2, 3, 4])
 def test_decode_matches_reference(q_len, page_size, num_kv_splits, config=None):
     # seq_len == q_len: the whole context is this step's tokens, and with 3 splits two are empty.
-    # 37 splits: the merge takes them in several chunks, the last one partial, most of them empty.
+    # 37 splits, most of them empty: rows this narrow merge all of them in one round.
     seq_lens = [q_len, q_len + 5, 37, 70]
     heads, rank, rope, scale = 6, 32, 16, 0.3
     q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, heads, rank, rope, page_size, torch.float32)
