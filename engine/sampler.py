@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from encore.backends.argmax import argmax_rows
 from encore.backends.host_tensors import upload
 from encore.engine.sampling_params import SamplingParams
 
@@ -128,7 +129,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         raw = logits.float()  # [N, V]
         penalized = apply_penalties(raw, t)  # [N, V]
-        token_ids = penalized.argmax(dim=-1)  # [N] greedy choice
+        token_ids = argmax_rows(penalized)  # [N] greedy choice
         if not t.all_greedy:
             sampled = sample_from_probs(_filtered_probs(penalized, t), t.seeds, t.counters)  # [N]
             token_ids = torch.where(t.temperature == 0, token_ids, sampled)
@@ -179,7 +180,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.
     probs: [N, V] (need not be normalized); returns [N] int64. Zero-probability tokens never win.
     """
     u = seeded_uniform(seeds, counters, probs.shape[1], salt)  # [N, V]
-    return (probs.float() / -torch.log(u)).argmax(dim=-1)
+    return argmax_rows(probs.float() / -torch.log(u))
 
 
 def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: int = 0) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from encore.backends.argmax import argmax_rows
 from encore.backends.base import AttentionBackend
 from encore.backends.metadata import ForwardBatch
 from encore.backends.mla_ops import latent_attention
@@ -225,7 +226,7 @@ class MTPLayer(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of ``compute_logits`` [N], taken on the head's own output: the float32 cast is exact
         and keeps the order, so it picks the same token without a cast's launch."""
-        return self.shared_head.head(hidden).argmax(dim=-1)
+        return argmax_rows(self.shared_head.head(hidden))
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -255,4 +256,4 @@ class DeepseekForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of ``compute_logits`` [N], on the head's own output (the float32 cast is exact)."""
-        return self.lm_head(hidden[:, :self.cfg.hidden_size]).argmax(dim=-1)
+        return argmax_rows(self.lm_head(hidden[:, :self.cfg.hidden_size]))

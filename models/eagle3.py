@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encore.backends.argmax import argmax_rows
 from encore.backends.metadata import ForwardBatch
 from encore.backends.rope import rotate
 from encore.models.deepseek import DenseMLP, RMSNorm
@@ -253,7 +254,7 @@ class Eagle3Model(nn.Module):
         """A greedy draft [N] in target ids: the draft vocab's argmax, mapped (no target-vocab logits built).
         Where draft ids tie it takes the lowest draft id, which ``compute_logits``' argmax may order
         differently when d2t does not keep the order: either is a greedy draft."""
-        return self.target_ids[self.lm_head(self.norm(hidden)).argmax(dim=-1)]
+        return self.target_ids[argmax_rows(self.lm_head(self.norm(hidden)))]
 
 
 def load_eagle3(model_dir: str | Path, cfg: Eagle3Config, attention: PagedAttention,
