@@ -1,4 +1,5 @@
-"""``encore::dense``: a dense projection x · wᵀ that a one-token step runs through a GEMV.
+"""``encore::dense``: a dense projection x · wᵀ that a one-token step runs through a GEMV; and MLA's
+absorbed per-head projections, which attention backends run through the batched GEMV by the same rule.
 
 The small-M GEMV pass (passes/small_m_gemv.py) puts this op in place of a DECODE graph's weight
 GEMMs that the GEMV runs faster (``use_gemv``). A step of ``GEMV_TOKENS`` token on CUDA then runs
@@ -51,3 +52,33 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @dense.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _batched_gemv(tokens: int, w: torch.Tensor) -> bool:
+    """``use_gemv``'s rule for per-head weights [H, ·, ·] (all heads' elements counted)."""
+    return tokens <= GEMV_TOKENS and w.numel() <= GEMV_MAX_WEIGHT
+
+
+def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
+    """MLA's latent queries: q_nope [T, H, dn] · W_kc [H, dn, R] per head -> [T, H, R] in q_nope's dtype.
+    Under the GEMV rule, the batched GEMV into a contiguous result; else a batched GEMM written
+    head-major (a [T, H, R] view of [H, T, R]: no transposing copy on either side)."""
+    w_kc = w_kc.to(q_nope.dtype)
+    if not _batched_gemv(q_nope.shape[0], w_kc):
+        return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+    from encore.backends.gemv_triton import batched_gemv  # triton is imported on first use
+
+    q_lat = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])
+    return batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
+
+
+def project_values(o_lat: torch.Tensor, w_vc: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H, dv] = o_lat [T, H, R] · W_vc [H, dv, R]ᵀ per head (MLA's latent attention output to
+    values), in place: the batched GEMV under its rule, else a batched GEMM."""
+    w_vc = w_vc.to(o_lat.dtype)
+    if not _batched_gemv(o_lat.shape[0], w_vc):
+        torch.bmm(o_lat.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))
+        return
+    from encore.backends.gemv_triton import batched_gemv
+
+    batched_gemv(o_lat, w_vc, out)

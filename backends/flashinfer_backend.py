@@ -51,6 +51,7 @@ from itertools import accumulate
 import torch
 
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
+from encore.backends.dense import absorb_query, project_values
 from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_backend import TritonAttentionBackend
@@ -242,12 +243,11 @@ class _MLAPlan:
             _warn_slow_replans()
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-            cache: torch.Tensor) -> torch.Tensor:
-        """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> [T, H, dv]."""
-        dtype = q_nope.dtype
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_kc.to(dtype)).contiguous()  # [T, H, R]
+            cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> out [T, H, dv]."""
+        q_lat = absorb_query(q_nope, w_kc).contiguous()  # [T, H, R]
         o_lat = self.wrapper.run(query=(q_lat, q_pe.contiguous()), kv_cache=cache)  # [T, H, R]
-        return torch.einsum("thr,hvr->thv", o_lat, w_vc.to(dtype))  # [T, H, dv]
+        project_values(o_lat, w_vc, out)
 
 
 @functools.cache
@@ -375,10 +375,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         plan = self._prefill
         if isinstance(plan, _MLAPlan):
             # Tokens past the last row's range are bucket padding the kernel leaves unwritten: keep
-            # them finite (base.AttentionBackend.prefill) with a select, static in shape.
-            o = plan.run(q_nope, q_pe, w_kc, w_vc, cache)  # [n, H, dv]
-            owned = torch.arange(o.shape[0], device=o.device) < batch.qo_indptr[batch.num_extends]  # [n]
-            out.copy_(torch.where(owned[:, None, None], o, 0))
+            # them finite (base.AttentionBackend.prefill) with a masked fill, static in shape.
+            plan.run(q_nope, q_pe, w_kc, w_vc, cache, out)  # [n, H, dv]
+            padding = torch.arange(out.shape[0], device=out.device) >= batch.qo_indptr[batch.num_extends]  # [n]
+            out.masked_fill_(padding[:, None, None], 0)
             return
         kv = cache.view(-1, cache.shape[-1])[plan.slots].to(q_nope.dtype)  # [S, R + dr]
         k, v = decompress_kv(kv, w_kc, w_vc, self.dims.kv_lora_rank)  # [S, H, dn + dr], [S, H, dv]
@@ -392,4 +392,4 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._on_device:
             self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
             return
-        out.copy_(self._decode.run(q_nope, q_pe, w_kc, w_vc, cache))
+        self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
-from encore.backends.dense import GEMV_MAX_WEIGHT, GEMV_TOKENS
-from encore.backends.gemv_triton import batched_gemv
+from encore.backends.dense import absorb_query, project_values
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_mla import mla_decode, mla_prefill, warm_up_decode
 from encore.engine.kv_cache import DUMMY_PAGE
@@ -87,18 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
                   cache: torch.Tensor, out: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor,
                   q_len: int) -> None:
         """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
-        dtype = q_nope.dtype
-        w_kc, w_vc = w_kc.to(dtype), w_vc.to(dtype)
-        if q_nope.shape[0] <= GEMV_TOKENS and w_kc.numel() <= GEMV_MAX_WEIGHT:  # encore::dense's rule, per head
-            q_lat = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])  # [T, H, R]
-            batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
-            o_lat = torch.empty_like(q_lat)
-            mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, o_lat)
-            batched_gemv(o_lat, w_vc, out)
-            return
-        # Head-major latents: the batched GEMMs read and write [H, T, ·] directly, and the kernel takes
-        # the [T, H, R] views by their strides, so no transposing copy is made on either side.
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, R]
-        o_lat = torch.empty_like(q_lat)  # [T, H, R], head-major like q_lat
+        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]; the kernel takes either layout by its strides
+        o_lat = torch.empty_like(q_lat)  # q_lat's layout
         mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, o_lat)
-        torch.bmm(o_lat.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))  # [T, H, dv]
+        project_values(o_lat, w_vc, out)

@@ -13,7 +13,7 @@ import torch
 
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, dense
+from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, absorb_query, dense, project_values
 from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,25 +143,49 @@ def test_dense_op_dispatch_by_tokens_gpu():
         assert torch.equal(torch.ops.encore.dense(x, w), want), tokens
 
 
+def absorbed_operands(tokens: int, heads: int, dn: int, dv: int, rank: int, dtype: torch.dtype, seed: int):
+    """Views of kv_b_proj's weight as the attention backends pass them, W_kc [H, dn, R] and W_vc
+    [H, dv, R]; q_nope [T, H, dn] a strided view (as a slice of q); o_lat [T, H, R]."""
+    gen = torch.Generator().manual_seed(seed)
+    w_kv = (torch.randn(heads, dn + dv, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    w_kc, w_vc = w_kv.split([dn, dv], dim=1)
+    q_nope = torch.randn(tokens, heads, dn + 16, generator=gen).to(DEVICE, dtype)[:, :, :dn]
+    o_lat = torch.randn(tokens, heads, rank, generator=gen).to(DEVICE, dtype)
+    return q_nope, w_kc, w_vc, o_lat
+
+
+@in_process
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_absorbed_projections_follow_the_gemv_rule(tokens):
+    """``dense.absorb_query`` / ``project_values``: at GEMV_TOKENS token the batched GEMV (the same
+    values as calling it), past it a batched GEMM (torch.bmm's); either against float32 einsum."""
+    q_nope, w_kc, w_vc, o_lat = absorbed_operands(tokens, 3, 24, 16, 40, torch.float32, seed=tokens)
+    q_lat = absorb_query(q_nope, w_kc)
+    assert rel_err(q_lat, torch.einsum("thd,hdr->thr", q_nope, w_kc)) < 1e-5
+    out = torch.full((tokens, 3, 16), float("nan"), device=DEVICE)
+    project_values(o_lat, w_vc, out)
+    assert rel_err(out, torch.einsum("thr,hvr->thv", o_lat, w_vc)) < 1e-5
+    if tokens <= GEMV_TOKENS:
+        want_q = batched_gemv(q_nope, w_kc.transpose(1, 2), torch.empty(tokens, 3, 40, device=DEVICE))
+        want_out = batched_gemv(o_lat, w_vc, torch.empty(tokens, 3, 16, device=DEVICE))
+    else:
+        want_q = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+        want_out = torch.bmm(o_lat.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1)
+    assert torch.equal(q_lat, want_q) and torch.equal(out, want_out)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("heads", [16, 128])
-def test_batched_absorbed_projections_gpu(heads):
-    """MLA's absorbed products per head at one token, on views of kv_b_proj's weight as the Triton
-    backend passes them: q_lat = q_nope · W_UK (N contiguous) and out = o_lat · W_UVᵀ (K contiguous),
-    written into a strided output."""
-    dn, dv, rank = 128, 128, 512
-    gen = torch.Generator(device="cuda").manual_seed(heads)
-    w_kv = torch.randn(heads, dn + dv, rank, generator=gen, device="cuda").bfloat16() * rank ** -0.5
-    w_kc, w_vc = w_kv.split([dn, dv], dim=1)  # [H, dn, R], [H, dv, R]
-    q_nope = torch.randn(1, heads, dn + 64, generator=gen, device="cuda").bfloat16()[:, :, :dn]
-    q_lat = torch.empty(1, heads, rank, device="cuda", dtype=torch.bfloat16)
-    batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
-    ref = torch.einsum("thd,hdr->thr", q_nope.float(), w_kc.float())
-    assert rel_err(q_lat, ref) < BF16_TOL
-    o_lat = torch.randn(1, heads, rank, generator=gen, device="cuda").bfloat16()
-    out = torch.empty(1, 2 * heads, dv, device="cuda", dtype=torch.bfloat16)[:, ::2]  # every other head
-    batched_gemv(o_lat, w_vc, out)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_absorbed_projections_gpu(heads, tokens):
+    """MLA's absorbed products per head in bf16 at DeepSeek's sizes: q_lat = q_nope · W_UK (the GEMV
+    with N contiguous at one token) and out = o_lat · W_UVᵀ (K contiguous), into a strided output."""
+    dv = 128
+    q_nope, w_kc, w_vc, o_lat = absorbed_operands(tokens, heads, 128, dv, 512, torch.bfloat16, seed=heads)
+    assert rel_err(absorb_query(q_nope, w_kc), torch.einsum("thd,hdr->thr", q_nope.float(), w_kc.float())) < BF16_TOL
+    out = torch.empty(tokens, 2 * heads, dv, device="cuda", dtype=torch.bfloat16)[:, ::2]  # every other head
+    project_values(o_lat, w_vc, out)
     assert rel_err(out, torch.einsum("thr,hvr->thv", o_lat.float(), w_vc.float())) < BF16_TOL
 
 
