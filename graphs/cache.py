@@ -9,7 +9,10 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
-shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions
+shape a graph (dtype, page size, backend, the keys), the KV pool's page count (the latent caches are
+graph inputs whose shapes dynamo guards, and an engine sizes its pool from the memory free at start-up:
+a start whose pool differed loaded precompiled graphs only to have their guards reject it and compile
+every family again), the encore / torch / triton / Python versions
 and GPU, a digest of encore's own sources (a precompiled graph holds dynamo's bytecode of the model
 and the passes' output, so the cache must not outlive an edit to either), and a digest of Inductor's
 settings (``TORCHINDUCTOR_*`` variables among them: a precompiled graph is Inductor's output, which a
@@ -77,7 +80,8 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
+def identity(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> dict:
+    """``num_pages``: the KV pool's page count, which the engine sizes at start-up."""
     keys = keys_for(config)
     device = torch.device(config.device)
     return {
@@ -85,6 +89,7 @@ def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "dtype": config.dtype,
         "page_size": config.page_size,
+        "kv_pages": num_pages,
         "attention_backend": config.attention_backend,
         "compile": config.use_compile,
         "cuda_graphs": config.use_cuda_graphs,
@@ -133,8 +138,8 @@ class GraphCache:
     ident: dict
 
     @staticmethod
-    def for_engine(config: EngineConfig, model_config: ModelConfig) -> GraphCache:
-        ident = identity(config, model_config)
+    def for_engine(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> GraphCache:
+        ident = identity(config, model_config, num_pages)
         base = Path(config.graph_cache_dir) if config.graph_cache_dir else default_cache_root()
         return GraphCache(base / _digest(ident), ident)
 

@@ -50,7 +50,7 @@ def test_list_prints_each_key(v3_warm_cache):
 def small_cache(v3_dir, tmp_path):
     """A graph cache with a manifest and a (fake) artifact, made without compiling anything."""
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
-    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir))
+    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir), 64)
     cache.inductor_dir.mkdir(parents=True)
     (cache.inductor_dir / "artifact").write_text("x")
     cache.write_manifest([KeyReport(GraphKey(0, 1, 4, 4), 1.5, 0.0, 0)])
@@ -136,10 +136,19 @@ def test_identity_follows_inductor_settings(v3_dir, tmp_path):
 
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
     model_config = ModelConfig.from_pretrained(v3_dir)
-    before = GraphCache.for_engine(config, model_config).root
+    before = GraphCache.for_engine(config, model_config, 64).root
     with inductor_config.patch({"triton.enable_pdl": not inductor_config.triton.enable_pdl}):
-        assert GraphCache.for_engine(config, model_config).root != before
-    assert GraphCache.for_engine(config, model_config).root == before
+        assert GraphCache.for_engine(config, model_config, 64).root != before
+    assert GraphCache.for_engine(config, model_config, 64).root == before
     child = subprocess.run([sys.executable, "-c", "from encore.graphs.cache import inductor_config_digest; "
                             "print(inductor_config_digest())"], capture_output=True, text=True, check=True)
-    assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
+    assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config, 64)["inductor_config"]
+
+
+def test_identity_follows_the_kv_pool(v3_dir, tmp_path):
+    """The latent caches are graph inputs whose shape dynamo guards, and the pool is sized at start-up:
+    another page count is another directory (a precompiled graph for one pool rejects the other)."""
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    model_config = ModelConfig.from_pretrained(v3_dir)
+    assert GraphCache.for_engine(config, model_config, 300).root != GraphCache.for_engine(config, model_config, 200).root
+    assert GraphCache.for_engine(config, model_config, 300).root == GraphCache.for_engine(config, model_config, 300).root
