@@ -42,7 +42,7 @@ def bf16_main_model(model: DeepseekV3WithMTP) -> DeepseekV3ForCausalLM:
     return shipped.eval()
 
 
-def _split_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+def split_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers 5 holds experts fused ([E, 2I, H] gate|up and [E, H, I] down); checkpoints hold them split."""
     if name == "mlp.experts.gate_up_proj":
         gate, up = tensor.chunk(2, dim=1)  # forward does `linear(x, gate_up[e]).chunk(2)`: gate rows first
@@ -60,7 +60,7 @@ def mtp_tensors(model: DeepseekV3WithMTP) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{model.main.config.num_hidden_layers}."
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.mtp.state_dict().items():
-        tensors.update(_split_experts(name, tensor))
+        tensors.update(split_experts(name, tensor))
     tensors["embed_tokens.weight"] = model.main.model.embed_tokens.weight
     tensors["shared_head.head.weight"] = model.main.lm_head.weight
     out = {}
