@@ -5,14 +5,12 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
     <identity hash>/manifest.json    keys with first-call / capture times, graphs compiled and graph-pool
                                      growth, and a summary per graph family
     <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels)
-    <identity hash>/precompiled/     one precompiled graph per family (graphs/compiler.py)
+    <identity hash>/precompiled/kv_pages-<N>/  one precompiled graph per family (graphs/compiler.py), per
+                                     KV pool size (``GraphCache.precompiled_dir``)
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
-shape a graph (dtype, page size, backend, the keys), the KV pool's page count (the latent caches are
-graph inputs whose shapes dynamo guards, and an engine sizes its pool from the memory free at start-up:
-a start whose pool differed loaded precompiled graphs only to have their guards reject it and compile
-every family again), the encore / torch / triton / Python versions
+shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions
 and GPU, a digest of encore's own sources (a precompiled graph holds dynamo's bytecode of the model
 and the passes' output, so the cache must not outlive an edit to either), and a digest of Inductor's
 settings (``TORCHINDUCTOR_*`` variables among them: a precompiled graph is Inductor's output, which a
@@ -80,8 +78,7 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def identity(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> dict:
-    """``num_pages``: the KV pool's page count, which the engine sizes at start-up."""
+def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
     keys = keys_for(config)
     device = torch.device(config.device)
     return {
@@ -89,7 +86,6 @@ def identity(config: EngineConfig, model_config: ModelConfig, num_pages: int) ->
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "dtype": config.dtype,
         "page_size": config.page_size,
-        "kv_pages": num_pages,
         "attention_backend": config.attention_backend,
         "compile": config.use_compile,
         "cuda_graphs": config.use_cuda_graphs,
@@ -136,12 +132,13 @@ def _families(reports: list) -> dict[str, dict]:
 class GraphCache:
     root: Path
     ident: dict
+    kv_pages: int  # the engine's KV pool (``precompiled_dir``)
 
     @staticmethod
-    def for_engine(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> GraphCache:
-        ident = identity(config, model_config, num_pages)
+    def for_engine(config: EngineConfig, model_config: ModelConfig, kv_pages: int) -> GraphCache:
+        ident = identity(config, model_config)
         base = Path(config.graph_cache_dir) if config.graph_cache_dir else default_cache_root()
-        return GraphCache(base / _digest(ident), ident)
+        return GraphCache(base / _digest(ident), ident, kv_pages)
 
     @property
     def manifest_path(self) -> Path:
@@ -153,7 +150,11 @@ class GraphCache:
 
     @property
     def precompiled_dir(self) -> Path:
-        return self.root / "precompiled"
+        """Per KV pool size: the latent caches are graph inputs whose shape dynamo guards, and an engine
+        sizes its pool from the memory free at start-up. One directory for all sizes had a start whose
+        pool differed load precompiled graphs only to have their guards reject it and compile every
+        family again; Inductor's cache, shared, still serves that compile."""
+        return self.root / "precompiled" / f"kv_pages-{self.kv_pages}"
 
     def read_manifest(self) -> dict | None:
         """The manifest if it is present and sound; None if absent. A stale or corrupt cache is

@@ -114,7 +114,7 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
         arch = ident.get("model_config", {}).get("architecture", "?")
         versions = ", ".join(f"{k} {v}" for k, v in ident.get("versions", {}).items())
         out.write(f"{path.parent.name}  {arch}  {ident.get('device')}  dtype={ident.get('dtype')}  "
-                  f"kv_pages={ident.get('kv_pages')}  created {manifest.get('created')}  ({versions})\n")
+                  f"created {manifest.get('created')}  ({versions})\n")
         out.write(f"  {'mode':<7} {'extends':>7} {'q_len':>5} {'bs':>5} {'tokens':>6} {'graphs':>6} {'loaded':>6} "
                   f"{'first_s':>8} {'capture_s':>9} {'pool_MiB':>8}\n")
         for k in keys:

@@ -142,13 +142,16 @@ def test_identity_follows_inductor_settings(v3_dir, tmp_path):
     assert GraphCache.for_engine(config, model_config, 64).root == before
     child = subprocess.run([sys.executable, "-c", "from encore.graphs.cache import inductor_config_digest; "
                             "print(inductor_config_digest())"], capture_output=True, text=True, check=True)
-    assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config, 64)["inductor_config"]
+    assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
 
 
-def test_identity_follows_the_kv_pool(v3_dir, tmp_path):
+def test_precompiled_graphs_are_kept_per_kv_pool(v3_dir, tmp_path):
     """The latent caches are graph inputs whose shape dynamo guards, and the pool is sized at start-up:
-    another page count is another directory (a precompiled graph for one pool rejects the other)."""
+    another page count has its own precompiled graphs (one pool's guards reject the other), in the same
+    cache, whose Inductor artifacts both share."""
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
     model_config = ModelConfig.from_pretrained(v3_dir)
-    assert GraphCache.for_engine(config, model_config, 300).root != GraphCache.for_engine(config, model_config, 200).root
-    assert GraphCache.for_engine(config, model_config, 300).root == GraphCache.for_engine(config, model_config, 300).root
+    small, large = (GraphCache.for_engine(config, model_config, pages) for pages in (200, 300))
+    assert small.root == large.root and small.inductor_dir == large.inductor_dir
+    assert small.precompiled_dir != large.precompiled_dir
+    assert small.precompiled_dir == GraphCache.for_engine(config, model_config, 200).precompiled_dir
