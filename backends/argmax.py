@@ -6,6 +6,9 @@ chunk's max and its index in one reduction of rows × C independent pieces, then
 C maxima, took 10.6 µs at one row (C 512), 11.3 at four and 18.9 against 30.9 at 64 rows (C 128)
 (V2-Lite's vocabulary, CUDA graph of 16 calls, each on its own logits; a throwaway harness).
 
+Rows shorter than ``_MIN_ROW`` keep torch's single reduction: these times are for 102400-wide rows
+only, and the stages' extra launches would cost a short row more than they save.
+
 Ties resolve as ``torch.argmax`` does, to the lowest index: ``max`` gives each chunk's first maximum
 and the second stage the first chunk holding the row's maximum. A NaN is the maximum in both stages,
 as in ``argmax``.
@@ -17,11 +20,14 @@ import torch
 
 _PIECES = 8192  # rows × chunks the first stage aims at
 _MAX_CHUNKS = 512
+_MIN_ROW = 65536  # shorter rows: one reduction (DeepSeek-V2/V3's and Kimi K2's vocabularies are longer)
 
 
 def chunks(rows: int, vocab: int) -> int:
     """Chunks a row is cut into: the largest power of two up to min(_MAX_CHUNKS, _PIECES / rows) that
-    divides ``vocab`` (1: a plain argmax)."""
+    divides ``vocab``; 1 (a plain argmax) for rows shorter than _MIN_ROW."""
+    if vocab < _MIN_ROW:
+        return 1
     count = min(_MAX_CHUNKS, _PIECES // max(rows, 1))
     count = 1 << (count.bit_length() - 1) if count >= 1 else 1
     while vocab % count:

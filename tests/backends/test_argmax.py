@@ -14,10 +14,11 @@ def test_chunks_rule():
     assert chunks(64, 102400) == 128  # 8192 pieces
     assert chunks(256, 102400) == 32
     assert chunks(1, 129280) == 256  # V3's vocabulary, 2^8 · 505
-    assert chunks(1, 32001) == 1  # odd: a plain argmax
-    assert chunks(3, 1000) == 8  # 1000 = 8 · 125
+    assert chunks(1, 65537) == 1  # odd: a plain argmax
+    assert chunks(3, 98304) == 512  # 2730 pieces a row allowed, capped
     assert chunks(10000, 1 << 16) == 1  # more rows than pieces
-    assert chunks(0, 4096) == 512
+    assert chunks(0, 1 << 16) == 512
+    assert chunks(1, 32768) == 1  # a short row: one reduction
 
 
 def rows_like(kind: str, rows: int, vocab: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -35,7 +36,7 @@ def rows_like(kind: str, rows: int, vocab: int, dtype: torch.dtype, device: str)
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "late_max", "nan", "neg_inf"])
-@pytest.mark.parametrize("rows,vocab", [(1, 102400), (4, 102400), (64, 4096), (3, 1000), (2, 32001), (0, 512)])
+@pytest.mark.parametrize("rows,vocab", [(1, 102400), (4, 102400), (3, 98304), (2, 65537), (0, 65536), (64, 4096)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_torch_argmax(kind, rows, vocab, dtype):
     x = rows_like(kind, rows, vocab, dtype, "cpu")
@@ -45,7 +46,7 @@ def test_matches_torch_argmax(kind, rows, vocab, dtype):
 
 
 def test_non_contiguous_rows():
-    x = torch.randn(8, 2048)[::2]  # rows 4096 elements apart
+    x = torch.randn(8, 1 << 16)[::2]  # rows 2^17 elements apart
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
