@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from encore.backends.dense import GEMV_TOKENS, use_gemv
+from encore.backends.dense import runs_gemv
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
@@ -75,7 +75,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: i
     from encore.backends import gemv_triton  # triton is imported on first use
     from encore.backends.routing_triton import select_experts_triton
 
-    if x.shape[0] <= GEMV_TOKENS and use_gemv(x, weight):
+    if runs_gemv(x, weight):
         logits = gemv_triton.gemv(x, weight, torch.float32)
     elif x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         logits = torch.mm(x, weight.t(), out_dtype=torch.float32)

@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
