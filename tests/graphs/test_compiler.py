@@ -14,7 +14,7 @@ from torch import nn
 from encore.backends.metadata import ForwardMode
 from encore.engine import Engine
 from encore.engine.spec.speculator import _later_draft_steps
-from encore.graphs.compiler import CompiledDrafter, CompiledModel
+from encore.graphs.compiler import CompiledDrafter, CompiledModel, inductor_patches
 from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers
 from encore.passes.pipeline import passes_for
@@ -178,3 +178,16 @@ def test_a_step_no_key_holds_runs_on_the_built_graph_and_never_compiles(tmp_path
     assert compiled.run_unkeyed(GraphKey(0, 1, 5, 5), Batch(5, torch.int32)) is None
     assert compiled.compiled_keys == 1 and compiled.recompiles == 0
     assert (compiled.loaded_graphs, compiled.compiled_graphs) == ((1, 0) if precompiled else (0, 1))
+
+
+def test_inductor_patches_turn_on_pdl_only_for_hopper_inputs():
+    cpu = [torch.zeros(2), 3]  # a tensor and a size, as dynamo hands a backend its example inputs
+    assert inductor_patches(cpu, None) == {}
+    assert inductor_patches(cpu, 1) == {"compile_threads": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_patches_turn_on_pdl_on_sm90_gpu():
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert inductor_patches([3, torch.zeros(2, device="cuda")], None) == ({"triton.enable_pdl": True} if hopper else {})
