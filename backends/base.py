@@ -80,6 +80,12 @@ class AttentionBackend(abc.ABC):
         re-planning a graph's shape (reported as ``attention_slow_replans``)."""
         return 0
 
+    @property
+    def triton_decode_steps(self) -> int:
+        """Steps whose decode rows a backend ran on encore's Triton decode kernel because it is faster
+        for their shape (reported as ``attention_triton_decode_steps``)."""
+        return 0
+
     def warm_up_decode(self, q_len: int) -> int:
         """Compiles, by launching them on scratch inputs, the decode kernel variants this backend can pick
         for rows of ``q_len`` tokens that a warm-up step's shape would not reach; returns the launches.

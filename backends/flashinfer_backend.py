@@ -19,6 +19,16 @@ Prefill rows take one of two paths:
   to its length and never decompresses the prefix; graph keys hold small prefill buckets
   (graphs/keys.py), where the absorbed formulation's extra FLOPs are cheap.
 
+Small decode steps: where "auto" picks this backend (``AutoFlashInferAttentionBackend``), decode rows of
+at most ``SMALL_DECODE_TOKENS`` tokens in all (rows × q_len) run on encore's Triton decode kernel,
+which is faster there and needs no host plan. V2-Lite attention (absorb + MLA + project, static plans in
+a CUDA graph, KV cold; benchmarks/bench_decode_backends.py, H100), Triton / flashinfer µs a layer:
+1 row × q1 × 1k keys 13.1 / 18.7, 4 × q1 × 1k 19.0 / 21.4, 1 × q4 × 1k 18.6 / 25.8, 1 × q1 × 32k
+46.0 / 54.1; at 8 tokens either may lead (2 × q4 × 1k, 32k table: 27.1 / 22.7), from 16 on flashinfer
+mostly does (64 × q1 × 8k: 232.9 / 222.8). The choice depends on the step's shape only, so a graph key
+keeps it. These steps are counted (``triton_decode_steps``). An explicit
+``attention_backend="flashinfer"`` runs every decode row on flashinfer.
+
 Planning needs the rows' lengths on the host (``seq_lens_cpu``); flashinfer partitions the work by
 them. A step built on the device (speculative draft steps 2..k advance lengths on the GPU) has none:
 it runs on the Triton backend's kernels instead, counted in ``fallback_steps``.
@@ -60,6 +70,7 @@ from encore.engine.kv_cache import DUMMY_PAGE
 log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one, shared by every wrapper
+SMALL_DECODE_TOKENS = 4  # decode steps of at most this many tokens take the Triton kernel under "auto"
 _MLA_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -272,6 +283,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_spec_as_decode = True
     supports_nonuniform_decode = False  # the scheduler's decode rows are uniform; graphs need it
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
+    small_decode_tokens = 0  # decode steps of at most this many tokens run on the Triton kernel
 
     def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
         super().__init__(kv_caches, dims)
@@ -290,7 +302,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
         self._prefill: _MLAPlan | _RaggedPrefill | None = None
         self._decode: _MLAPlan | None = None
+        self._decode_on_triton = False
         self._on_device = False
+        self._triton_decode_steps = 0
+
+    def warm_up_decode(self, q_len: int) -> int:
+        # The Triton kernel takes device-planned steps and small decode steps.
+        return self._device_planned.warm_up_decode(q_len)
 
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         self._on_device = not batch.seq_lens_cpu
@@ -322,7 +340,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
-        if batch.num_decodes:
+        self._decode_on_triton = 0 < batch.num_decodes * batch.q_len_per_req <= self.small_decode_tokens
+        if self._decode_on_triton:
+            self._triton_decode_steps += 1
+        elif batch.num_decodes:
             rows, q = batch.num_decodes, batch.q_len_per_req
             plan = (self._static_plan(("decode", *shape), rows, rows * width, width) if static
                     else self._eager_decode_mla)
@@ -337,6 +358,10 @@ class FlashInferAttentionBackend(AttentionBackend):
     @property
     def slow_replans(self) -> int:
         return sum(plan.slow_replans for plan in self._static.values())
+
+    @property
+    def triton_decode_steps(self) -> int:
+        return self._triton_decode_steps
 
     def _static_plan(self, key: tuple, rows: int, max_pages: int, width: int) -> _MLAPlan:
         plan = self._static.get(key + (width,))
@@ -389,7 +414,14 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
-        if self._on_device:
+        if self._on_device or self._decode_on_triton:
             self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
             return
         self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out)
+
+
+class AutoFlashInferAttentionBackend(FlashInferAttentionBackend):
+    """What "auto" runs where flashinfer takes the model: small decode steps on the Triton kernel
+    (module docstring)."""
+
+    small_decode_tokens = SMALL_DECODE_TOKENS

@@ -25,8 +25,9 @@ class EngineConfig:
     ``enable_mixed_batch``: False runs prefill-only and decode-only steps (a baseline).
     ``enable_prefix_caching``: a request starts from the KV pages earlier requests computed for the
     same leading tokens (whole pages; engine/kv_cache.py), kept until their memory is needed.
-    ``attention_backend``: "auto" (flashinfer where its MLA kernels take the model, else triton on
-    CUDA, torch on the CPU), "torch", "triton" or "flashinfer" (backends/selection.py).
+    ``attention_backend``: "auto" (flashinfer where its MLA kernels take the model, its decode steps
+    of at most 4 tokens on the Triton kernel; else triton on CUDA, torch on the CPU), "torch", "triton"
+    or "flashinfer" (backends/selection.py).
 
     Compiled graphs (graphs/, DESIGN.md "Compiled graphs"):
     ``compile``: run steps through torch.compile with encore's passes, one graph per graph key;

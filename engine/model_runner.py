@@ -271,6 +271,7 @@ class ModelRunner:
             "eager_steps": self.eager_steps,
             "attention_fallback_steps": self.backend.fallback_steps,
             "attention_slow_replans": self.backend.slow_replans,
+            "attention_triton_decode_steps": self.backend.triton_decode_steps,
             "compiled_keys": compiled.compiled_keys if compiled is not None else 0,
             "compiled_graphs": compiled.compiled_graphs if compiled is not None else 0,
             "loaded_graphs": compiled.loaded_graphs if compiled is not None else 0,

@@ -80,8 +80,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: %(default)s)")
     group.add_argument("--dtype", help="float32, bfloat16, float16 or auto")
-    group.add_argument("--attention-backend", help="auto (flashinfer where it takes the model, else triton on "
-                       "CUDA; torch on CPU), torch, triton or flashinfer")
+    group.add_argument("--attention-backend", help="auto (flashinfer where it takes the model, its decode steps "
+                       "of at most 4 tokens on triton; else triton on CUDA; torch on CPU), torch, triton or "
+                       "flashinfer (every row on flashinfer)")
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)

@@ -96,7 +96,7 @@ def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_against_torch(cls, extends, decodes, q_len, page_size, dtype, dims: MLADims = SMALL_DIMS,
                         static: bool = False):
     """``cls`` against the torch reference on one step: the same cache writes, finite outputs (bucket
-    padding included), the real tokens' outputs within TOL."""
+    padding included), the real tokens' outputs within TOL. Returns the step's batch."""
     batch, cache, inputs = make_step(extends, decodes, q_len, page_size, dtype, dims)
     got, got_cache = run_backend(cls, batch, cache, inputs, dims, static)
     want, want_cache = run_backend(TorchAttentionBackend, batch, cache, inputs, dims)
@@ -105,6 +105,7 @@ def check_against_torch(cls, extends, decodes, q_len, page_size, dtype, dims: ML
     assert torch.isfinite(got).all()  # bucket padding included
     keep = real_tokens(batch)
     assert max_rel_error(got[keep], want[keep]) < TOL[dtype]
+    return batch
 
 
 LAYOUTS = {

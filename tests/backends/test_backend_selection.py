@@ -42,11 +42,12 @@ def test_engine_refuses_triton_on_cpu():
 @pytest.mark.gpu
 @needs_cuda
 def test_auto_on_cuda_routes_by_what_flashinfer_takes():
-    from encore.backends.flashinfer_backend import FlashInferAttentionBackend
+    from encore.backends.flashinfer_backend import AutoFlashInferAttentionBackend, FlashInferAttentionBackend
     from encore.backends.triton_backend import TritonAttentionBackend
 
     cuda = torch.device("cuda")
-    assert select_backend("auto", cuda, V2_DIMS, torch.bfloat16) is FlashInferAttentionBackend
+    assert select_backend("auto", cuda, V2_DIMS, torch.bfloat16) is AutoFlashInferAttentionBackend
+    assert select_backend("flashinfer", cuda, V2_DIMS, torch.bfloat16) is FlashInferAttentionBackend
     assert select_backend("auto", cuda, V2_DIMS, torch.float32) is TritonAttentionBackend  # fa3 MLA: fp16/bf16
     assert select_backend("auto", cuda, TINY_DIMS, torch.bfloat16) is TritonAttentionBackend
     assert select_backend("triton", cuda, V2_DIMS, torch.bfloat16) is TritonAttentionBackend

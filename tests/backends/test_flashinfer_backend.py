@@ -24,10 +24,11 @@ DIMS = MLADims(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_d
 SPEC_LAYOUTS = {f"verify-q{q}": ([], [q, 9 + q, 70, 130], q) for q in (2, 3, 4)}
 
 
-def backend_cls():
-    from encore.backends.flashinfer_backend import FlashInferAttentionBackend
+def backend_cls(auto: bool = False):
+    """The backend an explicit "flashinfer" names (flashinfer's kernels for every row), or "auto"'s."""
+    from encore.backends.flashinfer_backend import AutoFlashInferAttentionBackend, FlashInferAttentionBackend
 
-    return FlashInferAttentionBackend
+    return AutoFlashInferAttentionBackend if auto else FlashInferAttentionBackend
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
@@ -58,6 +59,29 @@ def test_device_planned_steps_take_the_triton_kernels():
     want, _ = run_backend(TorchAttentionBackend, batch, cache, inputs, DIMS)
     assert backend.fallback_steps == 1
     assert max_rel_error(got, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
+@pytest.mark.parametrize("case, on_triton", [
+    (([], [1, 5, 40, 77], 1), True),  # 4 tokens
+    (([], [9, 300], 2), True),
+    (([], [20000], 4), True),
+    (([(3, 9), (0, 5)], [1, 17, 50], 1), True),  # a MIXED step's 3 decode rows; its prefill rows stay on flashinfer
+    (([], [1, 5, 40, 77, 90], 1), False),  # 5 tokens
+    (([], [9, 300], 3), False),
+    (([(3, 9)], [], 1), False),  # no decode rows
+], ids=["q1x4", "q2x2", "q4x1-20k", "mixed-3-decodes", "q1x5", "q3x2", "prefill-only"])
+def test_auto_runs_small_decode_steps_on_the_triton_kernel(case, on_triton, static):
+    """Under "auto", decode rows of at most SMALL_DECODE_TOKENS tokens take the Triton kernel (faster
+    there), counted, with no flashinfer decode plan; larger ones take flashinfer. Both match the reference."""
+    batch = check_against_torch(backend_cls(auto=True), *case, 16, torch.bfloat16, DIMS, static)
+    cache = torch.zeros(1, 16, DIMS.latent_dim, dtype=torch.bfloat16, device="cuda")
+    for auto in (True, False):
+        backend = backend_cls(auto)([cache], DIMS)
+        backend.plan(batch, static)
+        routed = auto and on_triton
+        assert backend.triton_decode_steps == int(routed)
+        assert (backend._decode is None) == (routed or not batch.num_decodes)
 
 
 @pytest.mark.parametrize("replan", ["native", "wrapper"])
@@ -169,4 +193,5 @@ def test_engine_greedy_matches_the_torch_backend(tmp_path):
     stats = engine.stats()
     assert stats["graph_replays"] > 0 and stats["attention_fallback_steps"] == 0, stats
     assert stats["attention_slow_replans"] == 0, stats
+    assert stats["attention_triton_decode_steps"] > 0, stats  # bs 1-4 decode steps (SMALL_DECODE_TOKENS)
     assert stats["kv_pages_free"] == stats["kv_pages_total"]

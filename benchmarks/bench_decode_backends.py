@@ -1,0 +1,111 @@
+"""A layer's decode attention on each backend as the engine runs it: the Triton backend and flashinfer
+(``attention_backend="flashinfer"``), each through its ``decode`` with a static plan (a graph key's),
+captured in one CUDA graph: q_nope·W_kc, the MLA kernel over the paged latent cache, ·W_vc.
+DeepSeek-V2-Lite's attention (H 16, latent 512 + 64, bf16, pages of 64). The page table is as wide as
+the engine's ``max_model_len`` makes it (``--widths``), since the Triton kernel's splits follow that
+width; every row holds ``context`` keys. The calls of one graph cycle through copies of the cache,
+together several times the L2, so each reads its KV from HBM as a model step does. This is what
+``flashinfer_backend.SMALL_DECODE_TOKENS`` ("auto" runs decode steps of that many tokens or fewer on
+the Triton kernel) was chosen from.
+
+    python benchmarks/bench_decode_backends.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from bench_mla_decode import COLD_BYTES, graph_time_us
+from encore.backends.base import MLADims
+from encore.backends.metadata import ForwardBatch
+
+DIMS = MLADims(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+               softmax_scale=192 ** -0.5)
+PAGE = 64
+# (table width in tokens, contexts): a tight table, and a 32k one at short and long contexts.
+GRID = ((2048, (512, 1024, 1920)), (32768, (1024, 8192, 32640)))
+MAX_KEYS = 64 * 8192  # rows × context per case: the caches stay a few GB
+
+
+def decode_step(bs: int, q_len: int, context: int, width_tokens: int) -> tuple[ForwardBatch, int]:
+    """A decode step of ``bs`` rows of ``q_len`` tokens over ``context`` keys each, on shuffled pages
+    (page 0 left for the dummy page) of a table ``width_tokens`` wide; returns it and the pages used."""
+    pages = -(-context // PAGE)
+    table = torch.zeros(bs, -(-width_tokens // PAGE), dtype=torch.int32)
+    table[:, :pages] = (torch.randperm(bs * pages) + 1).view(bs, pages).int()
+    tokens = bs * q_len
+    lens, prefix = [context] * bs, [context - q_len] * bs
+    batch = ForwardBatch(
+        num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=PAGE,
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+        positions=torch.arange(context - q_len, context, device="cuda").repeat(bs),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        prefix_lens=torch.tensor(prefix, dtype=torch.int32, device="cuda"),
+        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device="cuda") * q_len, page_table=table.cuda(),
+        gather_ids=torch.arange(tokens, device="cuda"), seq_lens_cpu=lens, prefix_lens_cpu=prefix)
+    return batch, bs * pages + 1
+
+
+def measure(bs: int, q_len: int, context: int, width_tokens: int) -> dict:
+    from encore.backends.flashinfer_backend import FlashInferAttentionBackend
+    from encore.backends.triton_backend import TritonAttentionBackend
+
+    batch, pages = decode_step(bs, q_len, context, width_tokens)
+    copies = max(2, min(32, math.ceil(COLD_BYTES / (pages * PAGE * DIMS.latent_dim * 2))))
+    caches = [torch.randn(pages, PAGE, DIMS.latent_dim, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    tokens = bs * q_len
+    q_nope = torch.randn(tokens, DIMS.num_heads, DIMS.qk_nope_head_dim, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(tokens, DIMS.num_heads, DIMS.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    w_kc = torch.randn(DIMS.num_heads, DIMS.qk_nope_head_dim, DIMS.kv_lora_rank, device="cuda",
+                       dtype=torch.bfloat16) * DIMS.kv_lora_rank ** -0.5
+    w_vc = torch.randn(DIMS.num_heads, DIMS.v_head_dim, DIMS.kv_lora_rank, device="cuda",
+                       dtype=torch.bfloat16) * DIMS.kv_lora_rank ** -0.5
+    row = {"bs": bs, "q_len": q_len, "context": context, "width": width_tokens}
+    outs = {}
+    for name, cls in (("triton", TritonAttentionBackend), ("flashinfer", FlashInferAttentionBackend)):
+        backend = cls(caches, DIMS)
+        backend.plan(batch, static=True)
+        out = outs[name] = torch.empty(tokens, DIMS.num_heads, DIMS.v_head_dim, device="cuda", dtype=torch.bfloat16)
+        calls = [lambda c=c, b=backend, o=out: b.decode(q_nope, q_pe, w_kc, w_vc, caches[c % copies], o, batch)
+                 for c in range(max(copies, 20))]
+        row[f"{name}_us"] = round(graph_time_us(calls), 2)
+    # Both graphs end on the same cache copy, so their outputs must agree (bf16 rounding apart).
+    diff = (outs["triton"].float() - outs["flashinfer"].float()).norm() / outs["flashinfer"].float().norm()
+    row["rel_diff"] = round(diff.item(), 5)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--q-len", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    rows = []
+    for width, contexts in GRID:
+        for q_len in args.q_len:
+            for bs in args.bs:
+                for context in contexts:
+                    if bs * context <= MAX_KEYS:
+                        rows.append(measure(bs, q_len, context, width))
+                        torch.cuda.empty_cache()
+    print(f"{device}, V2-Lite attention, bf16, pages of {PAGE}; µs per layer (absorb + MLA + project)")
+    print("| table | q_len | bs | context | tokens | Triton µs | flashinfer µs | Triton / flashinfer |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['width']} | {r['q_len']} | {r['bs']} | {r['context']} | {r['bs'] * r['q_len']} | "
+              f"{r['triton_us']} | {r['flashinfer_us']} | {r['triton_us'] / r['flashinfer_us']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
