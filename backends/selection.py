@@ -17,8 +17,8 @@ BACKENDS = ("auto", "torch", "triton", "flashinfer")
 def select_backend(name: str, device: torch.device, dims: MLADims, dtype: torch.dtype) -> type[AttentionBackend]:
     """``"auto"``: flashinfer where its MLA kernels take the model (importable, sm90+, fp16/bf16, MLA
     dims it compiles), with its small decode steps on the Triton kernel, faster there
-    (``AutoFlashInferAttentionBackend``), else Triton on CUDA, else the torch reference. An explicit name is honoured or
-    refused with the reason, never swapped silently."""
+    (``AutoFlashInferAttentionBackend``); else Triton on CUDA, else the torch reference. An explicit
+    name is honoured or refused with the reason, never swapped silently."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
