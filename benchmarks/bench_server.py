@@ -58,13 +58,19 @@ def prompts(n: int, words: int) -> list[str]:
     return [" ".join(random.Random(i).choices(WORDS, k=words)) for i in range(n)]
 
 
-def summarize(sends: list[float], firsts: list[float], ends: list[float], counts: list[int], wall: float) -> dict:
+def summarize(sends: list[float], firsts: list[float], ends: list[float], counts: list[int], wall: float,
+              messages: list[int] | None = None) -> dict:
+    """``messages``: the streamed responses per request (a server's), whose tokens per message show
+    whether the server sent each token on its own (1.0) or merged the tokens of steps it fell behind on."""
     ttft = [f - s for s, f in zip(sends, firsts)]
     tpot = [(e - f) / (n - 1) for f, e, n in zip(firsts, ends, counts) if n > 1]
-    return {"ttft_ms_mean": 1e3 * statistics.mean(ttft), "ttft_ms_p50": 1e3 * statistics.median(ttft),
-            "tpot_ms_mean": 1e3 * statistics.mean(tpot), "tpot_ms_p50": 1e3 * statistics.median(tpot),
-            "tpot_ms_p99": 1e3 * sorted(tpot)[int(0.99 * (len(tpot) - 1))],
-            "throughput_tok_s": sum(counts) / wall, "wall_s": wall}
+    summary = {"ttft_ms_mean": 1e3 * statistics.mean(ttft), "ttft_ms_p50": 1e3 * statistics.median(ttft),
+               "tpot_ms_mean": 1e3 * statistics.mean(tpot), "tpot_ms_p50": 1e3 * statistics.median(tpot),
+               "tpot_ms_p99": 1e3 * sorted(tpot)[int(0.99 * (len(tpot) - 1))],
+               "throughput_tok_s": sum(counts) / wall, "wall_s": wall}
+    if messages is not None:
+        summary["tokens_per_message"] = sum(counts) / sum(messages)
+    return summary
 
 
 def peer_engine(engine_kwargs: dict, texts: list[str]):
@@ -140,13 +146,13 @@ def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, pro
             before = server_counts(info_client.server_info()) if encore else None
             barrier.wait()
             n = len(texts)
-            sends, firsts, ends, tokens = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+            sends, firsts, ends, tokens, messages = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)], [0] * n
             for share, pipe in zip(shares, pipes):
                 their = pipe.recv()
                 for j, i in enumerate(share):
-                    sends[i], firsts[i], ends[i], tokens[i] = (column[j] for column in their)
+                    sends[i], firsts[i], ends[i], tokens[i], messages[i] = (column[j] for column in their)
             wall = max(ends) - min(sends)
-            summary = summarize(sends, firsts, ends, [len(t) for t in tokens], wall)
+            summary = summarize(sends, firsts, ends, [len(t) for t in tokens], wall, messages)
             if encore:
                 summary["engine"] = step_counts(before, server_counts(info_client.server_info()))
             runs.append((summary, tokens))
@@ -172,7 +178,7 @@ async def stream_trials(target: str, texts: list[str], max_tokens: int, trials: 
         for _ in range(trials):
             await asyncio.to_thread(barrier.wait)
             n = len(texts)
-            sends, firsts, ends, tokens = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+            sends, firsts, ends, tokens, messages = [0.0] * n, [0.0] * n, [0.0] * n, [[] for _ in range(n)], [0] * n
 
             async def one(i: int) -> None:
                 sends[i] = time.perf_counter()
@@ -180,10 +186,11 @@ async def stream_trials(target: str, texts: list[str], max_tokens: int, trials: 
                     if chunk.token_ids and not tokens[i]:
                         firsts[i] = time.perf_counter()
                     tokens[i].extend(chunk.token_ids)
+                    messages[i] += 1
                 ends[i] = time.perf_counter()
 
             await asyncio.gather(*(one(i) for i in range(n)))
-            results.send((sends, firsts, ends, tokens))
+            results.send((sends, firsts, ends, tokens, messages))
 
 
 def check_same_tokens(peer: list[tuple[dict, list]], served: list[tuple[dict, list]], dtype: str,
@@ -345,7 +352,8 @@ def main() -> None:
         for trial in r["trials"]:
             print(f"{r['path']:26} engine steps {trial['engine']}")
     print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
-          f"throughput x{overhead['throughput_ratio']:.3f} (median of paired trials x{paired:.3f})")
+          f"throughput x{overhead['throughput_ratio']:.3f} (median of paired trials x{paired:.3f}); the server sent "
+          f"{ours['tokens_per_message']:.2f} tokens a message (1.00: each token on its own)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "clients": args.clients, "client_processes": args.client_processes,

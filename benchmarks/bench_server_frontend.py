@@ -130,10 +130,10 @@ def main() -> None:
                     encore=True)]
     print(f"{args.clients} streams x {args.max_tokens} tokens, a token every {args.step_ms} ms, "
           f"{args.client_processes} client processes, {args.listeners} listener(s), median of {args.trials} trials")
-    print(f"{'path':30} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8}")
+    print(f"{'path':30} {'TTFT ms':>9} {'TPOT ms':>9} {'TPOT p99':>9} {'tok/s':>9} {'wall s':>8} {'tok/msg':>8}")
     for r in rows:
         print(f"{r['path']:30} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
-              f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.3f}")
+              f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.3f} {r['tokens_per_message']:>8.2f}")
     for trial in rows[1]["trials"]:
         print(f"{rows[1]['path']:30} engine steps {trial['engine']['steps']}")
     ratio = rows[1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
