@@ -128,10 +128,15 @@ def time_ms(step, iters: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes moved per second by a device-to-device copy (read + write)."""
+def copy_bandwidth(nbytes: int = 1 << 30, warm_up_s: float = 0.0) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write), after copying for ``warm_up_s``
+    seconds first (a GPU that has been idle measures low until its clocks come up)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
+    deadline = time.perf_counter() + warm_up_s
+    while time.perf_counter() < deadline:
+        dst.copy_(src)
+        torch.cuda.synchronize()
     ms = time_ms(lambda: dst.copy_(src), 20)
     return 2 * nbytes / (ms / 1e3)
 
