@@ -301,8 +301,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._static: dict[tuple, _MLAPlan] = {}
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
         self._prefill: _MLAPlan | _RaggedPrefill | None = None
-        self._decode: _MLAPlan | None = None
-        self._decode_on_triton = False
+        self._decode: _MLAPlan | None = None  # None: the planned step's decode rows run on the Triton kernel
         self._on_device = False
         self._triton_decode_steps = 0
 
@@ -340,8 +339,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
-        self._decode_on_triton = 0 < batch.num_decodes * batch.q_len_per_req <= self.small_decode_tokens
-        if self._decode_on_triton:
+        if 0 < batch.num_decodes * batch.q_len_per_req <= self.small_decode_tokens:
             self._triton_decode_steps += 1
         elif batch.num_decodes:
             rows, q = batch.num_decodes, batch.q_len_per_req
@@ -414,7 +412,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
-        if self._on_device or self._decode_on_triton:
+        if self._on_device or self._decode is None:  # planned on the device, or a small decode step
             self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
             return
         self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out)

@@ -23,14 +23,13 @@ weight whose K (or, batched, N) is contiguous.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
 from encore.backends.dense import GEMV_MAX_K, gemv_layout
+from encore.backends.pdl import pdl_supported
 
 MAX_TOKENS = 4  # rows of x a call takes (each is multiplied against the weight registers in turn)
 _MAX_BLOCK_N = 8  # weight rows a program holds when K is contiguous (whole rows of 16-byte vectors)
@@ -113,17 +112,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool) -> N
     n = w.shape[1]
     k_contiguous = w.stride(2) == 1
     block_n, block_k = tile(k, n, k_contiguous)
-    pdl = pdl and x.is_cuda and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    pdl = pdl and pdl_supported(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
         x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
         out.stride(0), out.stride(1), K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
-
-
-@functools.cache
-def _has_pdl(device_index: int) -> bool:
-    """Programmatic dependent launch: sm90 (Hopper) and newer."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:

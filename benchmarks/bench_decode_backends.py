@@ -2,8 +2,8 @@
 (``attention_backend="flashinfer"``), each through its ``decode`` with a static plan (a graph key's),
 captured in one CUDA graph: q_nope·W_kc, the MLA kernel over the paged latent cache, ·W_vc.
 DeepSeek-V2-Lite's attention (H 16, latent 512 + 64, bf16, pages of 64). The page table is as wide as
-the engine's ``max_model_len`` makes it (``--widths``), since the Triton kernel's splits follow that
-width; every row holds ``context`` keys. The calls of one graph cycle through copies of the cache,
+an engine's ``max_model_len`` makes it (``GRID``: 2k and 32k tokens), since the Triton kernel's splits
+follow that width; every row holds ``context`` keys (``bench_decode_graphs.decode_batch``). The calls of one graph cycle through copies of the cache,
 together several times the L2, so each reads its KV from HBM as a model step does. This is what
 ``flashinfer_backend.SMALL_DECODE_TOKENS`` ("auto" runs decode steps of that many tokens or fewer on
 the Triton kernel) was chosen from.
@@ -19,45 +19,30 @@ import math
 
 import torch
 
+from bench_decode_graphs import decode_batch
 from bench_mla_decode import COLD_BYTES, graph_time_us
 from encore.backends.base import MLADims
-from encore.backends.metadata import ForwardBatch
 
 DIMS = MLADims(num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
                softmax_scale=192 ** -0.5)
 PAGE = 64
 # (table width in tokens, contexts): a tight table, and a 32k one at short and long contexts.
 GRID = ((2048, (512, 1024, 1920)), (32768, (1024, 8192, 32640)))
-MAX_KEYS = 64 * 8192  # rows × context per case: the caches stay a few GB
-
-
-def decode_step(bs: int, q_len: int, context: int, width_tokens: int) -> tuple[ForwardBatch, int]:
-    """A decode step of ``bs`` rows of ``q_len`` tokens over ``context`` keys each, on shuffled pages
-    (page 0 left for the dummy page) of a table ``width_tokens`` wide; returns it and the pages used."""
-    pages = -(-context // PAGE)
-    table = torch.zeros(bs, -(-width_tokens // PAGE), dtype=torch.int32)
-    table[:, :pages] = (torch.randperm(bs * pages) + 1).view(bs, pages).int()
-    tokens = bs * q_len
-    lens, prefix = [context] * bs, [context - q_len] * bs
-    batch = ForwardBatch(
-        num_extends=0, q_len_per_req=q_len, bs=bs, num_tokens=tokens, page_size=PAGE,
-        input_ids=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
-        positions=torch.arange(context - q_len, context, device="cuda").repeat(bs),
-        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-        prefix_lens=torch.tensor(prefix, dtype=torch.int32, device="cuda"),
-        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device="cuda") * q_len, page_table=table.cuda(),
-        gather_ids=torch.arange(tokens, device="cuda"), seq_lens_cpu=lens, prefix_lens_cpu=prefix)
-    return batch, bs * pages + 1
+MAX_KEYS = 64 * 8192  # rows × context per case
 
 
 def measure(bs: int, q_len: int, context: int, width_tokens: int) -> dict:
     from encore.backends.flashinfer_backend import FlashInferAttentionBackend
     from encore.backends.triton_backend import TritonAttentionBackend
 
-    batch, pages = decode_step(bs, q_len, context, width_tokens)
-    copies = max(2, min(32, math.ceil(COLD_BYTES / (pages * PAGE * DIMS.latent_dim * 2))))
-    caches = [torch.randn(pages, PAGE, DIMS.latent_dim, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    # Row b owns the table's pages 1 + b·width.. (page 0: the dummy page) and holds ``context`` keys, the
+    # q_len new ones included; enough copies of the cache that the keys the calls read exceed the L2.
+    width = width_tokens // PAGE
+    batch = decode_batch(bs, context - q_len, torch.device("cuda"), q_len, PAGE, width)
+    read = bs * -(-context // PAGE) * PAGE * DIMS.latent_dim * 2
+    copies = max(2, min(32, math.ceil(COLD_BYTES / read)))
+    caches = [torch.randn(1 + bs * width, PAGE, DIMS.latent_dim, device="cuda", dtype=torch.bfloat16)
+              for _ in range(copies)]
     tokens = bs * q_len
     q_nope = torch.randn(tokens, DIMS.num_heads, DIMS.qk_nope_head_dim, device="cuda", dtype=torch.bfloat16)
     q_pe = torch.randn(tokens, DIMS.num_heads, DIMS.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)

@@ -59,13 +59,13 @@ def write(out: Path, layers: int, seed: int = 0) -> None:
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
         parts = name.split(".")
-        shard = f"layer-{int(parts[2]):03d}.safetensors" if parts[:2] == ["model", "layers"] else "other.safetensors"
-        if parts[:2] == ["model", "layers"]:
-            prefix, local = ".".join(parts[:3]) + ".", ".".join(parts[3:])
-            tensors = split_experts(local, random_tensor(name, shape, gen))
-            shards.setdefault(shard, {}).update({prefix + k: v.contiguous() for k, v in tensors.items()})
-        else:
-            shards.setdefault(shard, {})[name] = random_tensor(name, shape, gen)
+        if parts[:2] != ["model", "layers"]:
+            shards.setdefault("other.safetensors", {})[name] = random_tensor(name, shape, gen)
+            continue
+        prefix, local = ".".join(parts[:3]) + ".", ".".join(parts[3:])
+        tensors = split_experts(local, random_tensor(name, shape, gen))
+        shards.setdefault(f"layer-{int(parts[2]):03d}.safetensors", {}).update(
+            {prefix + k: v.contiguous() for k, v in tensors.items()})
     weight_map = {}
     for shard, tensors in shards.items():
         save_file(tensors, out / shard)

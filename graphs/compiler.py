@@ -75,6 +75,7 @@ from torch.fx.experimental import _config as fx_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from encore.backends.metadata import ForwardBatch, ForwardMode
+from encore.backends.pdl import pdl_supported
 from encore.graphs.keys import GraphKey
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,7 @@ def inductor_patches(example_inputs: list, compile_threads: int | None) -> dict:
     2.303 ms; benchmarks/README.md). encore's own PDL kernels (the GEMV) read nothing before their wait
     either, and a kernel without PDL after one waits as usual."""
     patches: dict = {} if compile_threads is None else {"compile_threads": compile_threads}
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    if device is not None and torch.cuda.get_device_capability(device)[0] >= 9:
+    if any(isinstance(t, torch.Tensor) and pdl_supported(t.device) for t in example_inputs):
         patches["triton.enable_pdl"] = True
     return patches
 
