@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,26 @@ def _eagle3_config(draft_model: str, cfg: ModelConfig) -> Eagle3Config:
 ModelBuilder = Callable[[ModelConfig, AttentionBackend, torch.device, torch.dtype], DeepseekForCausalLM]
 
 
+_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments(device: torch.device) -> bool:
+    """Turns on the caching allocator's expandable segments for a CUDA engine, unless the user's
+    allocator configuration already says either way; True if it did. A CUDA model runner gives most of
+    the memory left after the weights to its KV pool, and its steps' activations vary in size with the
+    tokens a step holds: with fixed segments, freed blocks that a larger request cannot use pile up as
+    fragmentation. DeepSeek-V2-Lite's shape on an H100 (bf16, random weights, `bench_overlap.py`) had
+    5.65 GiB reserved but unallocated in split blocks after start-up, 1.05 GiB free, and its first
+    8-prompt step ran out of memory allocating 512 MiB in the MoE; with expandable segments, 0 bytes in
+    split blocks, 5.9 GiB free, and every batch size ran (benchmarks/README.md, "Memory"). Set
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` to keep fixed segments."""
+    if device.type != "cuda" or any("expandable_segments" in os.environ.get(var, "") for var in _ALLOC_CONF_VARS):
+        return False
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    log.info("CUDA caching allocator: expandable segments on")
+    return True
+
+
 def serial_host_ops(device: torch.device) -> None:
     """Once a CUDA model runner has its weights (loading and casting them does use torch's intra-op
     pool), torch runs host ops on one thread. Between launches the engine's host work is serial
@@ -80,6 +101,7 @@ class ModelRunner:
         """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        expandable_segments(self.device)  # before the weights and the KV pool take their memory
         cfg = model_config
         self.dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                             cfg.kv_lora_rank, cfg.softmax_scale)

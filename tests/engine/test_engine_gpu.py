@@ -33,6 +33,18 @@ def test_cuda_bfloat16_runs(v3_dir):
     assert torch.get_num_threads() == 1  # model_runner.serial_host_ops
 
 
+def test_a_cuda_engine_allocates_in_expandable_segments(v3_dir, monkeypatch):
+    """model_runner.expandable_segments: memory allocated after a CUDA engine is built lies in an
+    expandable segment (with fixed segments, V2-Lite's shape ran out of memory on an H100)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    Engine(str(v3_dir), device="cuda", dtype="bfloat16", page_size=16, compile=False, cuda_graphs=False)
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    segment, = (s for s in torch.cuda.memory_snapshot()
+                if s["address"] <= block.data_ptr() < s["address"] + s["total_size"])
+    assert segment["is_expandable"], segment
+
+
 def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_path):
     """Graphs compiled before the engine gave up torch's pool rejected every later call (dynamo guards
     the thread count), so a step no key holds ran eager: here a 100-token prompt, past every key."""
