@@ -149,7 +149,8 @@ class EngineProcess:
 
     def _handle(self, message) -> None:
         if isinstance(message, StepResult):
-            self.stats = message.stats
+            if message.stats is not None:
+                self.stats = message.stats
             for delta in message.deltas:
                 stream = self._routes.get(delta.request_id)
                 if stream is None:

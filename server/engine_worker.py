@@ -4,7 +4,8 @@ Commands arrive on ``inbox`` and are applied between steps: the loop waits for o
 engine is idle, and otherwise takes whatever has arrived without blocking, so request handling
 never stalls a step. Each step's outputs leave on ``outbox`` as one ``StepResult``, pickled and
 written by the loop itself without blocking (``message_pipe``): the engine goes on stepping while
-earlier outputs are still in flight, and a slow reader in the server never blocks it. The server
+earlier outputs are still in flight, and a slow reader in the server never blocks it. The engine's
+stats ride along once per ``STATS_INTERVAL_S`` and whenever the engine has gone idle. The server
 process closing its end of the command pipe (it exited) ends the loop.
 
 The engine runs with ``detokenize=False``: the server process tokenizes prompts, detokenizes
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import select
 import signal
 import time
@@ -33,6 +35,11 @@ from encore.server.messages import (
 log = logging.getLogger(__name__)
 
 _DRAIN_S = 10.0  # at exit, how long the last outputs may wait for the server to read them
+# While the engine is busy, its stats go out with one step in this many seconds (and with every step
+# after which it is idle); only GetServerInfo and a metrics scrape read them. Sent with every step,
+# reading and pickling them made the loop's median time between two steps 50-54 us against 30-36 us
+# (an H100 host, one encore-tiny stream; benchmarks/README.md, "gRPC server overhead").
+STATS_INTERVAL_S = 0.05
 
 
 def run_engine(engine_kwargs: dict, commands: Connection, outputs: Connection,
@@ -131,6 +138,7 @@ class EngineLoop:
         self.outbox = outbox
         self.unscheduled: dict[str, float] = {}  # request id -> arrival, until first scheduled
         self.queue_times: dict[str, float] = {}  # measured, until sent with the request's next delta
+        self._stats_sent = -math.inf  # time.monotonic() of the last StepResult with stats
 
     def run(self) -> None:
         while self._take_commands(block=not self.engine.has_unfinished_requests()):
@@ -142,7 +150,16 @@ class EngineLoop:
                 log.exception("engine step failed")
                 outputs = self._abort_all(f"{type(exc).__name__}: {exc}")
             self._note_scheduled()
-            self.outbox.send(StepResult([self._delta_row(o) for o in outputs], engine_stats(self.engine)))
+            self.outbox.send(StepResult([self._delta_row(o) for o in outputs], self._stats_due()))
+
+    def _stats_due(self) -> EngineStats | None:
+        """The engine's stats if a step's result should carry them (``STATS_INTERVAL_S``), else None:
+        the server keeps the last ones it got, exact whenever the engine is idle."""
+        now = time.monotonic()
+        if self.engine.has_unfinished_requests() and now - self._stats_sent < STATS_INTERVAL_S:
+            return None
+        self._stats_sent = now
+        return engine_stats(self.engine)
 
     def _take_commands(self, block: bool) -> bool:
         """Applies the commands that have arrived, first waiting for one if ``block``. False on

@@ -129,7 +129,7 @@ class Delta(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class StepResult:
     rows: list[tuple]  # one per request: a Delta's fields, in order, as a plain tuple
-    stats: EngineStats
+    stats: EngineStats | None  # None: unchanged for the server's purposes (engine_worker.STATS_INTERVAL_S)
 
     @property
     def deltas(self) -> list[Delta]:

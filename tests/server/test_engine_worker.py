@@ -1,5 +1,6 @@
 """EngineLoop with a stand-in engine, without a process: it steps on while nobody reads its outputs,
-and each step's outputs arrive as one message with every delta, in order; the engine's description
+and each step's outputs arrive as one message with every delta, in order, with the engine's stats
+once per STATS_INTERVAL_S and after the last step; the engine's description
 names its captured graph keys, and GetServerInfo reports them. The worker freezes its start-up heap
 before it reports ready."""
 
@@ -11,9 +12,12 @@ import multiprocessing
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from encore.engine import Engine, RequestOutput
 from encore.graphs.keys import GraphKey
 from encore.protos.encore.v1 import generate_pb2 as pb
+from encore.server import engine_worker
 from encore.server.config import ServerConfig
 from encore.server.engine_worker import EngineLoop, _run, captured_keys
 from encore.server.message_pipe import MessageReader, MessageWriter
@@ -50,7 +54,11 @@ class _Stepper:
                 "prefix_cache_hit_tokens": 0, "overlapped_steps": 0}
 
 
-def test_the_loop_steps_on_while_its_outputs_wait_and_every_delta_arrives_in_order():
+@pytest.mark.parametrize("interval", [0.0, 3600.0])
+def test_the_loop_steps_on_while_its_outputs_wait_and_every_delta_arrives_in_order(monkeypatch, interval):
+    """Stats: with every step at interval 0; with an interval longer than the run, with the first step
+    and with the last (the engine idle after it), and none between."""
+    monkeypatch.setattr(engine_worker, "STATS_INTERVAL_S", interval)
     command_reader, command_writer = multiprocessing.Pipe(duplex=False)
     output_reader, output_writer = multiprocessing.Pipe(duplex=False)
     engine = _Stepper(MessageWriter(command_writer))
@@ -69,7 +77,11 @@ def test_the_loop_steps_on_while_its_outputs_wait_and_every_delta_arrives_in_ord
     assert [[(d.request_id, d.token_ids, d.finish_reason) for d in r.deltas] for r in results] == [
         [(f"r{row}", [step * 1000 + row] * TOKENS, "length" if step == STEPS else None) for row in range(ROWS)]
         for step in range(1, STEPS + 1)]
-    assert [r.stats.steps["DECODE"] for r in results] == list(range(1, STEPS + 1))
+    with_stats = [r.stats.steps["DECODE"] if r.stats is not None else None for r in results]
+    if interval == 0.0:
+        assert with_stats == list(range(1, STEPS + 1))
+    else:
+        assert with_stats == [1] + [None] * (STEPS - 2) + [STEPS]
 
 
 def test_server_info_lists_the_captured_graph_keys_only():
