@@ -41,11 +41,16 @@ class EngineConfig:
     step is long enough that launch overhead, which graphs remove, matters little.
     MIXED: up to ``graph_mixed_extends`` prefill rows (fewer are padded with one-token rows on the
     dummy page) whose tokens pad up to a ``graph_prefill_tokens`` bucket, plus
-    ``graph_mixed_decode_sizes`` decode rows. Small buckets on purpose: they catch the steady state of
-    a short prompt (or a prompt's last chunk) riding along running decodes (1), and a burst of
-    arrivals joining them (16); a step with a long chunk is dominated by its prefill GEMMs and runs
-    on the compiled graph without replay at little cost.
-    EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets (short prompts).
+    ``graph_mixed_decode_sizes`` decode rows: a prompt (or a prompt's chunk) riding along running
+    decodes (1), and a burst of arrivals joining them (16).
+    EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets.
+    The prefill buckets reach ``chunked_prefill_size``'s default (2048), so every chunk of a long
+    prompt replays a graph: a prompt step that no key holds runs on its family's compiled graph, whose
+    launches the host makes one by one, ~25 ms a step for DeepSeek-V2-Lite's 27 layers on an H100, as
+    long as the GPU's work on 1k tokens. There a 1000-token prompt's first token took 58 ms
+    compiled and 27.5 ms replayed (padded to 1024), a 1100-token one 50 and 43 ms (padded to 2048);
+    the 16 keys of the 1024 and 2048 buckets took 0.7 s to capture and 220 MiB more graph pool
+    (benchmarks/README.md, "Time to first token").
     An empty size tuple makes no keys of that kind.
     Decode rows are capped at what ``max_num_seqs`` allows a step of the key's mode (the largest bucket
     then holds every step, a MIXED key's padded prefill rows taking it past ``max_num_seqs`` rows:
@@ -81,7 +86,7 @@ class EngineConfig:
     graph_q_lens: tuple[int, ...] = (1,)
     graph_mixed_extends: tuple[int, ...] = (1, 16)
     graph_mixed_decode_sizes: tuple[int, ...] = (4, 16, 64)
-    graph_prefill_tokens: tuple[int, ...] = (128, 512)
+    graph_prefill_tokens: tuple[int, ...] = (128, 512, 1024, 2048)
     graph_extend_sizes: tuple[int, ...] = (1, 16)
     graph_cache_dir: str | None = None
     overlap_schedule: bool | None = None
