@@ -112,11 +112,14 @@ def peer_trial(engine, tag: str, texts: list[str], max_tokens: int) -> tuple[dic
 
 
 def step_counts(before: dict, after: dict) -> dict:
-    """How the timed run's engine steps ran: by mode, graph replays / compiled / eager, and the kernels
-    they compiled."""
+    """How the timed run's engine steps ran: by mode, graph replays / compiled / eager, the kernels
+    they compiled, and the engine's own wall time per step (inside ``Engine.step``): a server whose
+    TPOT exceeds it lags behind its engine process, one whose TPOT matches it has a slower engine."""
     steps = {mode: n - before["steps"].get(mode, 0) for mode, n in after["steps"].items()}
+    total = sum(steps.values())
+    step_ms = 1e3 * (after["step_seconds"] - before["step_seconds"]) / total if total else 0.0
     return {"steps": steps, **{name: after[name] - before[name] for name in (
-        "graph_replays", "compiled_steps", "eager_steps", "preemptions", "kernel_compiles")}}
+        "graph_replays", "compiled_steps", "eager_steps", "preemptions", "kernel_compiles")}, "step_ms": step_ms}
 
 
 def run_clients(target: str, texts: list[str], max_tokens: int, trials: int, processes: int,
@@ -226,7 +229,8 @@ def median_row(path: str, runs: list[tuple[dict, list]]) -> dict:
 
 def server_counts(info) -> dict:
     return {"steps": dict(info.steps), "graph_replays": info.graph_replays, "compiled_steps": info.compiled_steps,
-            "eager_steps": info.eager_steps, "preemptions": info.preemptions, "kernel_compiles": info.kernel_compiles}
+            "eager_steps": info.eager_steps, "preemptions": info.preemptions, "kernel_compiles": info.kernel_compiles,
+            "step_seconds": info.engine_step_seconds}
 
 
 def start_server(model: str, engine_args: list[str], log_path: str | None) -> tuple[subprocess.Popen, str]:
@@ -351,6 +355,9 @@ def main() -> None:
     for r in rows:
         for trial in r["trials"]:
             print(f"{r['path']:26} engine steps {trial['engine']}")
+    engine_ms = [statistics.median(t["engine"]["step_ms"] for t in r["trials"]) for r in rows]
+    print(f"engine's own time a step (inside Engine.step), median of trials: in-process {engine_ms[0]:.3f} ms, "
+          f"the server's engine process {engine_ms[1]:.3f} ms")
     print(f"server / in-process: TPOT x{overhead['tpot_ratio']:.3f}, TTFT x{overhead['ttft_ratio']:.3f}, "
           f"throughput x{overhead['throughput_ratio']:.3f} (median of paired trials x{paired:.3f}); the server sent "
           f"{ours['tokens_per_message']:.2f} tokens a message (1.00: each token on its own)")

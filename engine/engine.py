@@ -130,6 +130,7 @@ class Engine:
         self._overlap = self.config.use_overlap_schedule and self.speculator is None  # (True with it: refused)
         self._in_flight: _InFlight | None = None
         self._overlapped = 0  # steps whose sampled ids stayed on the device and were read on a later call
+        self._step_seconds = 0.0  # wall time inside step() calls
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -220,7 +221,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step and returns the outputs it completed: with overlapped steps, those of the
         step launched by the call before, and where those are first tokens of a step that ran without
-        a graph, it launches nothing (module docstring)."""
+        a graph, it launches nothing (module docstring). Its wall time adds to ``stats()["step_seconds"]``."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._step_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._output(r, []) for r in self._aborted]
         for req in self._aborted:
             del self.requests[req.request_id]
@@ -457,6 +465,9 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self._preemptions,
             "overlapped_steps": self._overlapped,
+            # Wall time inside step() calls: scheduling, launches and (overlapped) the wait for the
+            # step before; over the steps it took, the engine's own time per step.
+            "step_seconds": self._step_seconds,
             "kv_pages_cached": self.kv.num_cached_pages,
             "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,

@@ -128,6 +128,7 @@ def engine_stats(engine: Engine) -> EngineStats:
         spec_draft_tokens=stats.get("spec_draft_tokens", 0), spec_accepted_tokens=stats.get("spec_accepted_tokens", 0),
         kv_pages_cached=stats["kv_pages_cached"], prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
         prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"], overlapped_steps=stats["overlapped_steps"],
+        step_seconds=stats["step_seconds"],
     )
 
 

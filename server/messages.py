@@ -94,6 +94,7 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0  # tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which the prefix cache held
     overlapped_steps: int = 0  # steps whose sampled ids stayed on the device and were read on a later call
+    step_seconds: float = 0.0  # wall time inside Engine.step() calls
 
     @property
     def kv_usage(self) -> float:

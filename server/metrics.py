@@ -131,6 +131,9 @@ def _engine_lines(stats: EngineStats) -> list[str]:
                  "Steps run compiled without a CUDA graph: none captured, or no graph key held the step.",
                  [({}, stats.compiled_steps)]),
         *_family("encore_eager_steps_total", "counter", "Steps run eagerly.", [({}, stats.eager_steps)]),
+        *_family("encore_engine_step_seconds_total", "counter",
+                 "Wall time inside the engine's steps (scheduling, launches, the wait for the device); "
+                 "over encore_engine_steps_total, its time per step.", [({}, stats.step_seconds)]),
         *_family("encore_overlapped_steps_total", "counter",
                  "Steps whose sampled ids stayed on the device and were read on a later call (overlap_schedule).",
                  [({}, stats.overlapped_steps)]),

@@ -152,6 +152,7 @@ class GenerationServicer:
             reply.preemptions, reply.kernel_compiles = stats.preemptions, stats.kernel_compiles
             reply.prefix_cache_query_tokens = stats.prefix_cache_query_tokens
             reply.prefix_cache_hit_tokens = stats.prefix_cache_hit_tokens
+            reply.engine_step_seconds = stats.step_seconds
         return reply
 
     # ---- helpers ---------------------------------------------------------------------------

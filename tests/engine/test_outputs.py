@@ -1,6 +1,9 @@
-"""What a step's RequestOutput reports, read after later steps have run."""
+"""What a step's RequestOutput reports, read after later steps have run, and the wall time the engine
+counts inside its steps."""
 
 from __future__ import annotations
+
+import time
 
 from encore.engine import Engine, SamplingParams
 
@@ -19,3 +22,19 @@ def test_each_output_keeps_the_tokens_of_its_own_step(v3_dir):
         streamed[out.request_id] += out.new_token_ids
         assert out.token_ids == streamed[out.request_id], out.request_id
     assert [len(streamed["a"]), len(streamed["b"])] == [6, 4]
+
+
+def test_stats_count_the_wall_time_inside_steps(v3_dir, monkeypatch):
+    """``stats()["step_seconds"]``: each step() call's wall time, and nothing outside the calls."""
+    engine = Engine(str(v3_dir), device="cpu")
+    engine.add_request("a", [5, 9, 40], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    plan = engine._step
+    monkeypatch.setattr(engine, "_step", lambda: (time.sleep(0.02), plan())[1])
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        time.sleep(0.05)  # between the calls: not counted
+    wall = time.perf_counter() - start
+    assert 0.02 * steps <= engine.stats()["step_seconds"] < wall - 0.05 * steps

@@ -200,6 +200,7 @@ def test_model_and_server_info(client, reference):
     assert info.kv_cache.page_size == 16 and info.kv_cache.pages_total == 1023
     assert info.steps["EXTEND"] >= 1
     assert info.graph_replays + info.compiled_steps + info.eager_steps == sum(info.steps.values())
+    assert info.engine_step_seconds > 0
     assert info.kernel_compiles == 0  # a CPU engine compiles no kernels
     assert list(info.graph_keys) == []
 

@@ -51,7 +51,7 @@ class _Stepper:
     def stats(self) -> dict:
         return {"steps": {"DECODE": self.done}, "kv_pages_free": 1, "kv_pages_total": 2, "running": ROWS,
                 "waiting": 0, "preemptions": 0, "kv_pages_cached": 0, "prefix_cache_query_tokens": 0,
-                "prefix_cache_hit_tokens": 0, "overlapped_steps": 0}
+                "prefix_cache_hit_tokens": 0, "overlapped_steps": 0, "step_seconds": 0.0}
 
 
 @pytest.mark.parametrize("interval", [0.0, 3600.0])

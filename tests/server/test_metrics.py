@@ -52,7 +52,7 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
     stats = EngineStats(steps={"EXTEND": 2, "DECODE": 5, "MIXED": 1}, kv_pages_free=30, kv_pages_total=40,
                         running=1, waiting=2, preemptions=0, graph_replays=5, compiled_steps=1, eager_steps=2,
                         kernel_compiles=3, kv_pages_cached=12, prefix_cache_query_tokens=90, prefix_cache_hit_tokens=64,
-                        overlapped_steps=6)
+                        overlapped_steps=6, step_seconds=1.5)
     s = _samples(metrics.render(stats, in_flight=3, engine_alive=True, listener_calls=[4, 0, 2]))
     assert s["encore_time_to_first_token_seconds_sum"] == pytest.approx(0.5)
     assert s["encore_time_per_output_token_seconds_sum"] == pytest.approx(0.5)  # 1 s over 2 later tokens
@@ -66,6 +66,7 @@ def test_a_stream_feeds_ttft_tpot_queue_time_and_counters():
              "encore_overlapped_steps_total")
     assert [s[name] for name in steps] == [5, 1, 2, 6]
     assert s["encore_kernel_compiles_total"] == 3
+    assert s["encore_engine_step_seconds_total"] == pytest.approx(1.5)
     assert s["encore_kv_cache_pages_cached"] == 12
     assert (s["encore_prefix_cache_query_tokens_total"], s["encore_prefix_cache_hit_tokens_total"]) == (90, 64)
     assert (s["encore_requests_running"], s["encore_requests_waiting"], s["encore_requests_in_flight"]) == (1, 2, 3)

@@ -187,7 +187,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds", "kernel_compiles", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
+    __slots__ = ("version", "engine_alive", "ready", "engine_config", "server_config", "graph_keys", "kv_cache", "running_requests", "waiting_requests", "in_flight_requests", "steps", "graph_replays", "compiled_steps", "eager_steps", "preemptions", "uptime_seconds", "kernel_compiles", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "engine_step_seconds")
     class EngineConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class ServerInfo(_message.Message):
     KERNEL_COMPILES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     engine_alive: bool
     ready: bool
@@ -247,7 +248,8 @@ class ServerInfo(_message.Message):
     kernel_compiles: int
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
-    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kernel_compiles: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
+    engine_step_seconds: float
+    def __init__(self, version: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., engine_config: _Optional[_Mapping[str, str]] = ..., server_config: _Optional[_Mapping[str, str]] = ..., graph_keys: _Optional[_Iterable[_Union[GraphKey, _Mapping]]] = ..., kv_cache: _Optional[_Union[KvCacheUsage, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., steps: _Optional[_Mapping[str, int]] = ..., graph_replays: _Optional[int] = ..., compiled_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kernel_compiles: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., engine_step_seconds: _Optional[float] = ...) -> None: ...
 
 class GraphKey(_message.Message):
     __slots__ = ("num_extends", "q_len_per_req", "bs", "num_tokens")
