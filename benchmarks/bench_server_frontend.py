@@ -135,7 +135,8 @@ def main() -> None:
         print(f"{r['path']:30} {r['ttft_ms_mean']:>9.1f} {r['tpot_ms_mean']:>9.2f} {r['tpot_ms_p99']:>9.2f} "
               f"{r['throughput_tok_s']:>9.1f} {r['wall_s']:>8.3f} {r['tokens_per_message']:>8.2f}")
     for trial in rows[1]["trials"]:
-        print(f"{rows[1]['path']:30} engine steps {trial['engine']['steps']}")
+        print(f"{rows[1]['path']:30} engine steps {trial['engine']['steps']}, "
+              f"{trial['engine']['step_ms']:.3f} ms inside each (the pace asks {args.step_ms} ms)")
     ratio = rows[1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
     print(f"encore / floor: throughput x{ratio:.3f}, TTFT x{rows[1]['ttft_ms_mean'] / rows[0]['ttft_ms_mean']:.2f}")
     if args.json:

@@ -31,8 +31,9 @@ class PacedEngine(Engine):
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
 
-    def step(self) -> list[RequestOutput]:
-        """A step whose arrivals join running requests counts as MIXED, as the engine's would."""
+    def _step(self) -> list[RequestOutput]:
+        """A step whose arrivals join running requests counts as MIXED, as the engine's would; it
+        replaces ``Engine._step``, so ``Engine.step`` counts its time as it counts a real step's."""
         decoding = any(emitted for _, _, emitted in self.live.values())
         mode = ("MIXED" if decoding else "EXTEND") if self.arrived else "DECODE"
         self.paced_steps[mode] += 1
