@@ -86,6 +86,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)
+    group.add_argument("--graph-decode-sizes", type=_sizes, metavar="N,N,...",
+                       help="decode batch sizes given a CUDA graph (default: EngineConfig.graph_decode_sizes)")
+    group.add_argument("--graph-prefill-tokens", type=_sizes, metavar="N,N,...",
+                       help="prompt-token buckets of the prefill steps' CUDA graphs: fewer start sooner, a prompt "
+                            "chunk past the largest runs compiled without a graph, '' runs every prompt step eagerly "
+                            "(default: EngineConfig.graph_prefill_tokens)")
     group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,
                        help="run prefill-only and decode-only steps")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
@@ -104,9 +110,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step (default: %(default)s)")
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1; empty for none."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return sizes
+
+
 _ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
-                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
-                "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
+                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "graph_decode_sizes", "graph_prefill_tokens",
+                "enable_mixed_batch", "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

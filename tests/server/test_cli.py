@@ -43,6 +43,17 @@ def test_bad_options_exit_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--graph-prefill-tokens", "128,5x2"], "--graph-prefill-tokens: expected comma-separated integers, "
+                                                    "got '128,5x2'"),
+    (["serve", "--graph-decode-sizes", "1,0"], "--graph-decode-sizes: every size must be >= 1, got '1,0'"),
+])
+def test_bad_graph_sizes_exit_2_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.fixture
 def tls_pair(tmp_path):
     if shutil.which("openssl") is None:
@@ -102,11 +113,12 @@ def test_engine_options_pass_through_and_unset_ones_keep_the_engine_defaults():
         ["serve", "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--attention-backend", "torch",
          "--max-num-batched-tokens", "512", "--chunked-prefill-size", "128", "--page-size", "8", "--num-kv-pages", "99",
          "--max-num-seqs", "7", "--max-model-len", "300", "--seed", "3", "--no-mixed-batch",
-         "--no-prefix-caching", "--no-overlap-schedule"])
+         "--no-prefix-caching", "--no-overlap-schedule", "--graph-decode-sizes", "1,4, 16", "--graph-prefill-tokens", ""])
     assert engine_kwargs(args) == {
         "model": "m", "device": "cpu", "dtype": "bfloat16", "attention_backend": "torch", "max_num_batched_tokens": 512,
         "chunked_prefill_size": 128, "page_size": 8, "num_kv_pages": 99, "max_num_seqs": 7, "max_model_len": 300,
-        "seed": 3, "enable_mixed_batch": False, "enable_prefix_caching": False, "overlap_schedule": False}
+        "seed": 3, "graph_decode_sizes": (1, 4, 16), "graph_prefill_tokens": (), "enable_mixed_batch": False,
+        "enable_prefix_caching": False, "overlap_schedule": False}
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "hi"])) == {"model": "m",
                                                                                           "device": "auto"}
     assert engine_kwargs(build_parser().parse_args(["serve"]))["model"] == str(default_model_dir())
