@@ -133,14 +133,27 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
 
 
 def _sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1; empty for none."""
     try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return sizes
 
 
-_SIZE_FLAGS = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
-               "graph_prefill_tokens", "graph_extend_sizes")
+GRAPH_SIZE_OPTIONS = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
+                      "graph_prefill_tokens", "graph_extend_sizes")
+
+
+def add_graph_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--graph-decode-sizes N,N,...`` and the other key buckets of EngineConfig (``GRAPH_SIZE_OPTIONS``);
+    unset, EngineConfig's default. The same flags for ``encore graphs warmup`` and for the engine
+    options of ``encore serve`` / ``generate``, so that a warm-up builds the keys a server uses."""
+    for name in GRAPH_SIZE_OPTIONS:
+        parser.add_argument("--" + name.replace("_", "-"), type=_sizes, default=None, metavar="N,N,...",
+                            help=f"EngineConfig.{name}, comma-separated ('' for none)")
 
 
 def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -159,8 +172,7 @@ def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.A
     warm.add_argument("--max-model-len", type=int, default=None)
     warm.add_argument("--num-kv-pages", type=int, default=None)
     warm.add_argument("--no-cuda-graphs", action="store_true", help="compile only")
-    for name in _SIZE_FLAGS:
-        warm.add_argument("--" + name.replace("_", "-"), type=_sizes, default=None, metavar="N,N,...")
+    add_graph_size_args(warm)
     warm.set_defaults(run=_warmup_command)
 
     listing = commands.add_parser("list", help="print the graph cache manifests")
@@ -171,7 +183,7 @@ def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.A
 
 def _warmup_command(args: argparse.Namespace) -> int:
     names = ("dtype", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
-             *_SIZE_FLAGS)
+             *GRAPH_SIZE_OPTIONS)
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False

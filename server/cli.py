@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 
+from encore.graphs.warmup import GRAPH_SIZE_OPTIONS, add_graph_size_args, add_graphs_subcommands
 from encore.server.config import ServerConfig
 
 
@@ -69,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(generate)
     generate.set_defaults(run=_generate)
 
-    from encore.graphs.warmup import add_graphs_subcommands
-
     add_graphs_subcommands(commands)
     return parser
 
@@ -86,12 +85,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)
-    group.add_argument("--graph-decode-sizes", type=_sizes, metavar="N,N,...",
-                       help="decode batch sizes given a CUDA graph (default: EngineConfig.graph_decode_sizes)")
-    group.add_argument("--graph-prefill-tokens", type=_sizes, metavar="N,N,...",
-                       help="prompt-token buckets of the prefill steps' CUDA graphs: fewer start sooner, a prompt "
-                            "chunk past the largest runs compiled without a graph, '' runs every prompt step eagerly "
-                            "(default: EngineConfig.graph_prefill_tokens)")
+    add_graph_size_args(group)  # the graph keys' buckets: fewer start sooner (EngineConfig's docstring)
     group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,
                        help="run prefill-only and decode-only steps")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
@@ -110,27 +104,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step (default: %(default)s)")
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    """A comma-separated list of integers >= 1; empty for none."""
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(size < 1 for size in sizes):
-        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
-    return sizes
-
-
 _ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
-                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "graph_decode_sizes", "graph_prefill_tokens",
-                "enable_mixed_batch", "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
+                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
+                "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     from encore.models.tiny import default_model_dir
 
     kwargs = {"model": args.model or str(default_model_dir()), "device": args.device}
-    kwargs.update({name: getattr(args, name) for name in _ENGINE_ARGS if getattr(args, name) is not None})
+    kwargs.update({name: getattr(args, name) for name in (*_ENGINE_ARGS, *GRAPH_SIZE_OPTIONS)
+                   if getattr(args, name) is not None})
     if args.speculative_method:
         kwargs["speculative"] = {"method": args.speculative_method, "draft_model": args.draft_model,
                                  "num_speculative_tokens": args.num_speculative_tokens}
