@@ -34,14 +34,19 @@ import torch
 from encore.engine import Engine, SamplingParams
 
 
-def v2_lite_engine(batch_sizes: list[int], context: int, max_tokens: int, backend: str) -> Engine:
+def random_v2_lite(**config) -> Engine:
+    """An Engine of DeepSeek-V2-Lite's shape with random bf16 weights made on the GPU
+    (``bench_decode_graphs.build_random``), pages of 64; ``config``: the rest of its EngineConfig."""
     from bench_decode_graphs import build_random
     from bench_decode_tpot import V2_LITE
 
     model_dir = Path(tempfile.mkdtemp(prefix="encore-v2-lite-config-"))
     (model_dir / "config.json").write_text(json.dumps(V2_LITE))
-    return Engine(str(model_dir), device="cuda", dtype="bfloat16", build_model=build_random, page_size=64,
-                  attention_backend=backend, max_model_len=context + max_tokens + 64, **options(batch_sizes))
+    return Engine(str(model_dir), device="cuda", dtype="bfloat16", build_model=build_random, page_size=64, **config)
+
+
+def v2_lite_engine(batch_sizes: list[int], context: int, max_tokens: int, backend: str) -> Engine:
+    return random_v2_lite(attention_backend=backend, max_model_len=context + max_tokens + 64, **options(batch_sizes))
 
 
 def options(batch_sizes: list[int]) -> dict:

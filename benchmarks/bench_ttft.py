@@ -3,7 +3,7 @@
 A prompt step that a graph key holds replays a CUDA graph, padded up to the key's bucket; a longer one
 runs unpadded on its family's compiled graph, whose launches the host makes one by one. This measures
 which is faster at each length, on DeepSeek-V2-Lite's shape (random bf16 weights made on the GPU:
-``bench_decode_graphs.build_random``; pages of 64; prefix caching off; every other engine option its
+``bench_overlap.random_v2_lite``; pages of 64; prefix caching off; every other engine option its
 default, so all graph keys are built as ``encore serve`` builds them). Each bucket set gets its own
 engine in a subprocess of its own, one after the other:
 
@@ -26,7 +26,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,17 +35,13 @@ DECODING = 4  # requests decoding when a MIXED trial's prompt arrives
 def run_one(buckets: tuple[int, ...], lengths: list[int], trials: int, large: int) -> dict:
     import torch
 
-    from bench_decode_graphs import build_random
-    from bench_decode_tpot import V2_LITE
-    from encore.engine import Engine, SamplingParams
+    from bench_overlap import random_v2_lite
+    from encore.engine import SamplingParams
 
-    model_dir = Path(tempfile.mkdtemp(prefix="encore-v2-lite-config-"))
-    (model_dir / "config.json").write_text(json.dumps(V2_LITE))
     reports = []
     start = time.perf_counter()
-    engine = Engine(str(model_dir), device="cuda", dtype="bfloat16", build_model=build_random, page_size=64,
-                    max_model_len=8192, enable_prefix_caching=False, graph_prefill_tokens=buckets,
-                    on_graph_key=lambda done, total, report: reports.append(report))
+    engine = random_v2_lite(max_model_len=8192, enable_prefix_caching=False, graph_prefill_tokens=buckets,
+                            on_graph_key=lambda done, total, report: reports.append(report))
     build_s = time.perf_counter() - start
     large_keys = [r for r in reports if r.key.num_extends and r.key.num_extend_tokens >= large]
     row = {"buckets": list(buckets), "build_s": build_s, "keys": len(reports), "large_keys": len(large_keys),
