@@ -11,7 +11,10 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
     sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
 
 One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
-nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves.
+nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves. It has
+no sum launch either: each down program counts its arrival on its column block (an atomic counter the
+gate_up kernel zeroed), and the block's last program sums the k pairs' values, so a decode step's MoE
+is two launches.
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
@@ -20,7 +23,8 @@ reads the counts, so the four launches can be captured in a CUDA graph. Blocks p
 have block_expert -1 and their programs return at once (the grid is the bound, not the count).
 
 Determinism: every output element is written by exactly one program and the per-token sum over
-the k pairs runs in a fixed order, with no atomics, so the result does not depend on scheduling.
+the k pairs runs in a fixed order (the one-token arrival counter only picks which program sums, not
+how), with no atomic adds of values, so the result does not depend on scheduling.
 Dots accumulate in float32 (float32 inputs in IEEE precision, so they can match a float32
 reference); the intermediate is stored in the input dtype, as the reference computes it.
 """
@@ -268,11 +272,15 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
 
 @kernel_variants.watched
 @triton.jit
-def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOWN_BLOCKS: tl.constexpr,
+                              BLOCK_DOWN: tl.constexpr):
     # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
     # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
     pair = tl.program_id(0)
+    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters, one per column block
+        blocks = tl.arange(0, BLOCK_DOWN)
+        tl.store(ARRIVED + blocks, tl.zeros([BLOCK_DOWN], tl.int32), mask=blocks < DOWN_BLOCKS)
     expert = tl.load(IDS + pair)
     row = tl.arange(0, 16)[:, None]  # [16, 1]
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
@@ -295,11 +303,13 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constex
 
 @kernel_variants.watched
 @triton.jit
-def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, H: tl.constexpr, I: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: tl.constexpr, I: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                           PAIRS: tl.constexpr):
     pair = tl.program_id(0)
+    block = tl.program_id(1)
     row = tl.arange(0, 16)[:, None]  # the token in row 0, as in the gate_up kernel
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
     n_ok = n < H
     w = W2 + tl.load(IDS + pair) * (H * I)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
@@ -311,22 +321,35 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, H: tl.constexpr, I
         acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
     tl.store(PER_PAIR + pair * H + row * 0 + n[None, :], acc * tl.load(WEIGHTS + pair),
              mask=(row == 0) & n_ok[None, :])
+    # Every thread's store above comes before the arrival (the barrier), and the arrival releases them;
+    # the block's last program acquires the others' and reads them past L1 (.cg).
+    tl.debug_barrier()
+    if tl.atomic_add(ARRIVED + block, 1, sem="acq_rel", scope="gpu") == PAIRS - 1:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(PAIRS):  # pair order, as _sum_pairs_kernel: the same sum on every run
+            total += tl.load(PER_PAIR + j * H + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(OUT + n, total.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
-    """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in three launches."""
+    """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in two launches."""
     pairs = ids.shape[1]
     inter, hidden = w2.shape[2], x.shape[1]
     launch = dict(BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype), num_warps=config.num_warps,
                   num_stages=config.num_stages)
+    down_blocks = triton.cdiv(hidden, config.down_n)
+    arrived = torch.empty(down_blocks, dtype=torch.int32, device=x.device)  # zeroed by the gate_up kernel
     intermediate = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [k, I]
     _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
-        x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=config.gate_n, **launch)
+        x, w13, ids, intermediate, arrived, H=hidden, I=inter, BLOCK_N=config.gate_n, DOWN_BLOCKS=down_blocks,
+        BLOCK_DOWN=triton.next_power_of_2(down_blocks), **launch)
     per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [k, H], weighted
-    _one_token_down_kernel[(pairs, triton.cdiv(hidden, config.down_n))](
-        intermediate, w2, ids, weights, per_pair, H=hidden, I=inter, BLOCK_N=config.down_n, **launch)
-    return _sum_pairs(per_pair, torch.empty_like(x), pairs)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    _one_token_down_kernel[(pairs, down_blocks)](
+        intermediate, w2, ids, weights, per_pair, arrived, out, H=hidden, I=inter, BLOCK_N=config.down_n,
+        PAIRS=pairs, **launch)
+    return out
 
 
 def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
