@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from encore.engine.cli_options import add_engine_args, engine_kwargs
 from encore.engine.config import EngineConfig
 from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
 from encore.graphs.keys import GraphKey
@@ -132,47 +133,16 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
     return manifests
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    """A comma-separated list of integers >= 1; empty for none."""
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(size < 1 for size in sizes):
-        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
-    return sizes
-
-
-GRAPH_SIZE_OPTIONS = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
-                      "graph_prefill_tokens", "graph_extend_sizes")
-
-
-def add_graph_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--graph-decode-sizes N,N,...`` and the other key buckets of EngineConfig (``GRAPH_SIZE_OPTIONS``);
-    unset, EngineConfig's default. The same flags for ``encore graphs warmup`` and for the engine
-    options of ``encore serve`` / ``generate``, so that a warm-up builds the keys a server uses."""
-    for name in GRAPH_SIZE_OPTIONS:
-        parser.add_argument("--" + name.replace("_", "-"), type=_sizes, default=None, metavar="N,N,...",
-                            help=f"EngineConfig.{name}, comma-separated ('' for none)")
-
-
 def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds ``graphs warmup`` and ``graphs list`` to a CLI's subparsers; each sets ``run``."""
     graphs = subparsers.add_parser("graphs", help="compiled graphs: warm-up and cache listing")
     commands = graphs.add_subparsers(dest="graphs_command", required=True)
 
-    warm = commands.add_parser("warmup", help="compile and capture every graph key, persist the compile caches")
-    warm.add_argument("--model", help="HF checkpoint directory (default: the embedded encore-tiny)")
-    warm.add_argument("--device", default="cuda")
-    warm.add_argument("--cache-dir", default=None, help=f"graph cache root (default {default_cache_root()})")
-    warm.add_argument("--dtype", default=None)
-    warm.add_argument("--page-size", type=int, default=None)
-    warm.add_argument("--max-num-seqs", type=int, default=None)
-    warm.add_argument("--max-num-batched-tokens", type=int, default=None)
-    warm.add_argument("--max-model-len", type=int, default=None)
-    warm.add_argument("--num-kv-pages", type=int, default=None)
-    warm.add_argument("--no-cuda-graphs", action="store_true", help="compile only")
-    add_graph_size_args(warm)
+    warm = commands.add_parser("warmup", help="compile and capture every graph key, persist the compile caches",
+                               description="Builds the graph cache of a model and the engine options given: pass "
+                                           "the options the server will run with (encore serve's engine options), "
+                                           "since they pick the cache and its keys.")
+    add_engine_args(warm, device="cuda")
     warm.set_defaults(run=_warmup_command)
 
     listing = commands.add_parser("list", help="print the graph cache manifests")
@@ -182,12 +152,6 @@ def add_graphs_subcommands(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def _warmup_command(args: argparse.Namespace) -> int:
-    names = ("dtype", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
-             *GRAPH_SIZE_OPTIONS)
-    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if args.no_cuda_graphs:
-        options["cuda_graphs"] = False
-    from encore.models.tiny import default_model_dir
-
-    warmup(args.model or str(default_model_dir()), device=args.device, cache_dir=args.cache_dir, **options)
+    options = engine_kwargs(args)
+    warmup(cache_dir=options.pop("graph_cache_dir", None), **options)
     return 0

@@ -19,7 +19,8 @@ import signal
 import sys
 import time
 
-from encore.graphs.warmup import GRAPH_SIZE_OPTIONS, add_graph_size_args, add_graphs_subcommands
+from encore.engine.cli_options import add_engine_args, engine_kwargs
+from encore.graphs.warmup import add_graphs_subcommands
 from encore.server.config import ServerConfig
 
 
@@ -35,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the gRPC server",
                                 description="Run the gRPC server (encore.v1.GenerationService, health, reflection).")
-    serve.add_argument("--model", help="Hugging Face model directory (default: the embedded encore-tiny)")
     defaults = ServerConfig()
     serve.add_argument("--host", default=defaults.host, help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=defaults.port, help="gRPC port, 0 picks one (default: %(default)s)")
@@ -53,12 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "connections (default: %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                        help="seconds running streams may finish after SIGTERM/SIGINT (default: %(default)s)")
-    _add_engine_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="print the continuation of one prompt (in-process engine)")
     generate.add_argument("prompt")
-    generate.add_argument("--model", help="Hugging Face model directory (default: the embedded encore-tiny)")
     generate.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -67,58 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--repetition-penalty", type=float, default=1.0)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
-    _add_engine_args(generate)
+    add_engine_args(generate)
     generate.set_defaults(run=_generate)
 
     add_graphs_subcommands(commands)
     return parser
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options; those not given keep EngineConfig's defaults."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (default: %(default)s)")
-    group.add_argument("--dtype", help="float32, bfloat16, float16 or auto")
-    group.add_argument("--attention-backend", help="auto (flashinfer where it takes the model, its decode steps "
-                       "of at most 4 tokens on triton; else triton on CUDA; torch on CPU), torch, triton or "
-                       "flashinfer (every row on flashinfer)")
-    for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
-                 "--max-num-seqs", "--max-model-len", "--seed"):
-        group.add_argument(flag, type=int)
-    add_graph_size_args(group)  # the graph keys' buckets: fewer start sooner (EngineConfig's docstring)
-    group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,
-                       help="run prefill-only and decode-only steps")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                       help="compute every prompt in full (default: start from KV pages cached for the same "
-                            "leading tokens)")
-    group.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                       help="run the model eagerly (default: compiled on CUDA)")
-    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
-                       help="do not capture CUDA graphs (default: captured on CUDA)")
-    group.add_argument("--no-overlap-schedule", dest="overlap_schedule", action="store_false", default=None,
-                       help="read each step's tokens before launching the next (default on CUDA: the next step "
-                            "is launched while the device runs the previous one)")
-    group.add_argument("--speculative-method", choices=("mtp", "eagle3", "ngram"),
-                       help="speculative decoding with the checkpoint's MTP layer, an EAGLE-3 drafter or n-gram lookup")
-    group.add_argument("--draft-model", help="the EAGLE-3 draft model's directory (--speculative-method eagle3)")
-    group.add_argument("--num-speculative-tokens", type=int, default=2, help="drafts per step (default: %(default)s)")
-
-
-_ENGINE_ARGS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
-                "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
-                "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    from encore.models.tiny import default_model_dir
-
-    kwargs = {"model": args.model or str(default_model_dir()), "device": args.device}
-    kwargs.update({name: getattr(args, name) for name in (*_ENGINE_ARGS, *GRAPH_SIZE_OPTIONS)
-                   if getattr(args, name) is not None})
-    if args.speculative_method:
-        kwargs["speculative"] = {"method": args.speculative_method, "draft_model": args.draft_model,
-                                 "num_speculative_tokens": args.num_speculative_tokens}
-    return kwargs
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -104,6 +104,28 @@ def test_cli_subcommands_parse_and_list(v3_warm_cache, capsys):
         parser.parse_args(["graphs", "warmup", "--model", "m", "--graph-decode-sizes", "1,x"])
 
 
+def test_warmup_takes_the_servers_engine_options(monkeypatch, tmp_path):
+    """The same engine flags give ``graphs warmup`` and ``serve`` the same Engine options (so the same
+    graph cache identity and keys), and the warm-up runs with them in the cache directory given."""
+    import encore.graphs.warmup as warmup_module
+    from encore.engine.cli_options import engine_kwargs
+    from encore.server.cli import build_parser
+
+    flags = ["--model", "m", "--device", "cuda:1", "--dtype", "bfloat16", "--attention-backend", "triton",
+             "--page-size", "64", "--no-mixed-batch", "--graph-decode-sizes", "1,8", "--graph-prefill-tokens", "512",
+             "--speculative-method", "mtp", "--num-speculative-tokens", "3", "--graph-cache-dir", str(tmp_path)]
+    parser = build_parser()
+    warm, serve = parser.parse_args(["graphs", "warmup", *flags]), parser.parse_args(["serve", *flags])
+    assert engine_kwargs(warm) == engine_kwargs(serve)
+    assert engine_kwargs(warm)["speculative"]["num_speculative_tokens"] == 3
+    calls = []
+    monkeypatch.setattr(warmup_module, "warmup", lambda **kwargs: calls.append(kwargs))
+    assert warm.run(warm) == 0
+    want = {k: v for k, v in engine_kwargs(serve).items() if k != "graph_cache_dir"}
+    assert calls == [{"cache_dir": str(tmp_path), **want}]
+    assert parser.parse_args(["graphs", "warmup"]).device == "cuda" and parser.parse_args(["serve"]).device == "auto"
+
+
 def test_progress_eta_charges_a_compile_to_each_family_not_yet_compiled():
     keys = (GraphKey(0, 1, 8, 8), GraphKey(0, 1, 4, 4), GraphKey(0, 1, 2, 2), GraphKey(1, 1, 1, 8))
     out = io.StringIO()
