@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 
-GRAPH_SIZE_OPTIONS = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
-                      "graph_prefill_tokens", "graph_extend_sizes")
+from encore.engine.config import GRAPH_SIZES
+
 _ENGINE_OPTIONS = ("dtype", "attention_backend", "max_num_batched_tokens", "chunked_prefill_size", "page_size",
                    "num_kv_pages", "max_num_seqs", "max_model_len", "seed", "enable_mixed_batch",
                    "enable_prefix_caching", "compile", "cuda_graphs", "overlap_schedule", "graph_cache_dir",
-                   *GRAPH_SIZE_OPTIONS)
+                   *GRAPH_SIZES)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser, device: str = "auto") -> No
     for flag in ("--max-num-batched-tokens", "--chunked-prefill-size", "--page-size", "--num-kv-pages",
                  "--max-num-seqs", "--max-model-len", "--seed"):
         group.add_argument(flag, type=int)
-    for name in GRAPH_SIZE_OPTIONS:  # the graph keys' buckets: fewer start sooner (EngineConfig's docstring)
+    for name in GRAPH_SIZES:  # the graph keys' buckets: fewer start sooner (EngineConfig's docstring)
         group.add_argument("--" + name.replace("_", "-"), type=_sizes, default=None, metavar="N,N,...",
                            help=f"EngineConfig.{name}, comma-separated ('' for none)")
     group.add_argument("--no-mixed-batch", dest="enable_mixed_batch", action="store_false", default=None,

@@ -9,8 +9,8 @@ from encore.backends.selection import BACKENDS
 from encore.engine.spec.config import SpecConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
-                "graph_prefill_tokens", "graph_extend_sizes")
+GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "graph_mixed_decode_sizes",
+               "graph_prefill_tokens", "graph_extend_sizes")  # the graph keys' buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +123,7 @@ class EngineConfig:
                              "overlap_schedule unset (None) or False with speculative")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
-        for name in _GRAPH_SIZES:
+        for name in GRAPH_SIZES:
             value = getattr(self, name)
             if (not isinstance(value, (tuple, list))
                     or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
