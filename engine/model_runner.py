@@ -95,11 +95,28 @@ def serial_host_ops(device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
+def same_ptxas_as_inductor(device: torch.device) -> None:
+    """Points Triton at the ptxas Inductor compiles with (torch's own, ``TRITON_PTXAS_PATH``) before
+    any kernel compiles, so that every start of an engine keys its kernels alike. Triton keys each
+    kernel it caches on the version of the ptxas its process first ran (``get_ptxas_version`` is
+    cached for the process), and Inductor switches Triton to torch's ptxas only on the path where it
+    compiles a kernel. A cold start compiles its graph families before encore's own kernels first
+    run, so it cached those under torch's ptxas; a warm start loads its families compiled, ran encore's
+    kernels first under Triton's bundled ptxas, missed every one of them in the cache and compiled
+    them again (benchmarks/README.md, "Decode step": ~8 s of a 24 s warm start on an H200). A ptxas
+    the user set is kept."""
+    if device.type == "cuda":
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+        _set_triton_ptxas_path()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  build_model: ModelBuilder | None = None) -> None:
         """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
         self.device = torch.device(config.device)
+        same_ptxas_as_inductor(self.device)  # before any Triton kernel compiles
         self.dtype = resolve_dtype(config.dtype, self.device)
         expandable_segments(self.device)  # before the weights and the KV pool take their memory
         cfg = model_config
