@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -159,8 +160,10 @@ class ModelRunner:
         spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         row_tokens = min(max_model_len + spec_tokens, (self.num_pages - 1) * config.page_size)
         self.max_pages_per_row = -(-row_tokens // config.page_size)
-        cache = (GraphCache.for_engine(config, cfg, self.num_pages) if config.use_compile or config.use_cuda_graphs
-                 else None)
+        drafter = ({"method": spec.method, "config": asdict(draft) if draft else None}
+                   if self.with_mtp or draft is not None else None)
+        cache = (GraphCache.for_engine(config, cfg, self.num_pages, drafter)
+                 if config.use_compile or config.use_cuda_graphs else None)
         self.graphs = self._graph_runner(config, cache) if cache is not None else None
         self.graph_cache = cache if self.graphs is not None else None
         self.heads: HeadGraphs | None = None  # captured with the target's graphs (prepare_graphs)

@@ -77,7 +77,9 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
+def identity(config: EngineConfig, model_config: ModelConfig, drafter: dict | None = None) -> dict:
+    """``drafter``: the model drafter whose graph the cache also holds (its method, and an EAGLE-3 draft
+    model's config), None without one."""
     keys = keys_for(config)
     device = torch.device(config.device)
     return {
@@ -89,6 +91,7 @@ def identity(config: EngineConfig, model_config: ModelConfig) -> dict:
         "compile": config.use_compile,
         "cuda_graphs": config.use_cuda_graphs,
         "keys": [[k.num_extends, k.q_len_per_req, k.bs, k.num_tokens] for k in keys],
+        "drafter": drafter,
         "versions": {"encore": _version("encore"), "torch": torch.__version__, "triton": _version("triton"),
                      "python": platform.python_version()},
         "encore_source": source_digest(),
@@ -134,8 +137,9 @@ class GraphCache:
     kv_pages: int  # the engine's KV pool (``precompiled_dir``)
 
     @staticmethod
-    def for_engine(config: EngineConfig, model_config: ModelConfig, kv_pages: int) -> GraphCache:
-        ident = identity(config, model_config)
+    def for_engine(config: EngineConfig, model_config: ModelConfig, kv_pages: int,
+                   drafter: dict | None = None) -> GraphCache:
+        ident = identity(config, model_config, drafter)
         base = Path(config.graph_cache_dir) if config.graph_cache_dir else default_cache_root()
         return GraphCache(base / _digest(ident), ident, kv_pages)
 
@@ -154,6 +158,11 @@ class GraphCache:
         pool differed load precompiled graphs only to have their guards reject it and compile every
         family again; Inductor's cache, shared, still serves that compile."""
         return self.root / "precompiled" / f"kv_pages-{self.kv_pages}"
+
+    @property
+    def drafter_artifact(self) -> Path:
+        """The model drafter's precompiled graph (graphs/compiler.py ``CompiledDrafter``)."""
+        return self.precompiled_dir / "drafter.aot"
 
     def read_manifest(self) -> dict | None:
         """The manifest if it is present and sound; None if absent. A stale or corrupt cache is

@@ -44,8 +44,9 @@ guards on every call; a call they reject runs the family's ordinary ``torch.comp
 compiles (counted like a recompile), or eager for a step of no key; the first rejection of each family
 is logged with dynamo's reason. An artifact that does not load is deleted with a warning and
 compiled again; a family that cannot be precompiled (its guards reach an object that does not
-serialize) is compiled the ordinary way, with a warning. What it was compiled from must not change
-under it: the cache's identity covers the torch version and a digest of encore's own sources, so any
+serialize) is compiled the ordinary way, with a warning. A model drafter's graph
+(``CompiledDrafter``) is precompiled and loaded the same way, one file beside the families'. What it
+was compiled from must not change under it: the cache's identity covers the torch version and a digest of encore's own sources, so any
 edit to the model, the passes or the ops starts a new cache.
 
 Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
@@ -245,53 +246,56 @@ def _saved_as_inductor_output(backend: EncoreBackend) -> Callable:
 
 
 class CompiledFamily:
-    """One family's compiled step: ``(model, key, batch) -> hidden [T, hidden]`` through ``backend``,
-    precompiled to (or loaded from) ``artifact`` when one is given and torch can (module docstring)."""
+    """One family's compiled callable: ``entry`` (``_entry``: ``(model, ids, positions, batch, extend_ids)
+    -> hidden``) through ``backend``, precompiled to (or loaded from) ``artifact`` when one is given and
+    torch can (module docstring). Each call passes ``inputs(mark)``, the entry's arguments with their
+    symbolic dims marked for dynamo when ``mark`` (a precompiled graph is called with them unmarked), and
+    ``shape``, what the call is, for the warning when a precompiled graph's guards reject it."""
 
-    def __init__(self, backend: EncoreBackend, artifact: Path | None) -> None:
+    def __init__(self, backend: EncoreBackend, artifact: Path | None, entry: Callable = _entry) -> None:
         self.backend = backend
-        self.entry = fresh_entry()
+        self.entry = fresh_entry(entry)
         self.dynamo = torch.compile(self.entry, backend=backend, fullgraph=True, dynamic=False)
         self.artifact = artifact if _aot_compile_fullgraph() is not None else None
         self.precompiled: Callable | None = None
         self.rejected = False  # whether the precompiled graph's guards have rejected a call (warned once)
 
-    def __call__(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor:
+    def __call__(self, inputs: Callable[[bool], tuple], shape: object) -> torch.Tensor:
         if self.artifact is not None and self.precompiled is None:
-            self.precompiled = self._load() or self._precompile(model, key, batch)
-        hidden = self._run_precompiled(model, key, batch)
+            self.precompiled = self._load() or self._precompile(inputs)
+        hidden = self._run_precompiled(inputs, shape)
         if hidden is not None:
             return hidden
         with symbolic_sizes():
-            return self.dynamo(model, *step_inputs(key, batch))
+            return self.dynamo(*inputs(True))
 
-    def run_built(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
+    def run_built(self, inputs: Callable[[bool], tuple], shape: object) -> torch.Tensor | None:
         """Like calling it, but only on a graph already built whose guards pass; None where the call
         would compile (a step is never held up by the compiler)."""
-        hidden = self._run_precompiled(model, key, batch)
+        hidden = self._run_precompiled(inputs, shape)
         if hidden is not None:
             return hidden
         try:
             with symbolic_sizes(), torch.compiler.set_stance("fail_on_recompile"):
-                return self.dynamo(model, *step_inputs(key, batch))
+                return self.dynamo(*inputs(True))
         except RuntimeError as exc:
             if "fail_on_recompile" not in str(exc):
                 raise
             return None
 
-    def _run_precompiled(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
+    def _run_precompiled(self, inputs: Callable[[bool], tuple], shape: object) -> torch.Tensor | None:
         """The precompiled graph's output, or None: there is none, or its guards reject the call."""
         if self.precompiled is None:
             return None
-        inputs = (model, *step_inputs(key, batch, mark=False))
-        if self.precompiled.guard_check(*inputs):
-            return self.precompiled(*inputs)
+        args = inputs(False)
+        if self.precompiled.guard_check(*args):
+            return self.precompiled(*args)
         if not self.rejected:
             self.rejected = True
-            failed = self.precompiled._artifacts.guard_manager.check_verbose(self.precompiled.prepare_f_locals(*inputs))
-            log.warning("the precompiled %s graph's guards reject a step of shape %s (%s): a step of a graph key "
+            failed = self.precompiled._artifacts.guard_manager.check_verbose(self.precompiled.prepare_f_locals(*args))
+            log.warning("the precompiled %s graph's guards reject %s (%s): a step of a graph key "
                         "compiles the family again, one of no key runs eager (warned once per family)",
-                        self.backend.family.value, key, "; ".join(p.strip() for p in failed.verbose_code_parts))
+                        self.backend.family.value, shape, "; ".join(p.strip() for p in failed.verbose_code_parts))
         return None
 
     def _load(self) -> Callable | None:
@@ -311,13 +315,13 @@ class CompiledFamily:
         self.backend.record.seconds += time.perf_counter() - start
         return precompiled
 
-    def _precompile(self, model: torch.nn.Module, key: GraphKey, batch: ForwardBatch) -> Callable | None:
+    def _precompile(self, inputs: Callable[[bool], tuple]) -> Callable | None:
         """The family compiled ahead of time and saved; None (with a warning) where that fails, and
         then the ordinary entry compiles it for this process only."""
         compiles = self.backend.record.compiles
         try:
             with symbolic_sizes():
-                example = ((model, *step_inputs(key, batch)), {})
+                example = (inputs(True), {})
                 if hasattr(self.dynamo, "aot_compile"):
                     precompiled = self.dynamo.aot_compile(example)
                 else:
@@ -364,13 +368,16 @@ class CompiledModel:
             artifact = self.artifacts / f"{family.value.lower()}.aot" if self.artifacts is not None else None
             step = self._compiled[family] = CompiledFamily(backend, artifact)
         self.records[family].keys.add(key)
-        return step(self.model, key, batch)
+        return step(self._inputs(key, batch), key)
 
     def run_unkeyed(self, shape: GraphKey, batch: ForwardBatch) -> torch.Tensor | None:
         """Runs ``batch``, which no graph key holds (``shape``: its own sizes), unpadded on its family's
         graph, which a key of that family built; not counted among the compiled keys. None where that
         graph's guards reject the step: it is not compiled for it (the caller runs it eager)."""
-        return self._compiled[shape.mode].run_built(self.model, shape, batch)
+        return self._compiled[shape.mode].run_built(self._inputs(shape, batch), shape)
+
+    def _inputs(self, key: GraphKey, batch: ForwardBatch) -> Callable[[bool], tuple]:
+        return lambda mark: (self.model, *step_inputs(key, batch, mark))
 
     @property
     def compiled_keys(self) -> int:
@@ -406,14 +413,15 @@ class CompiledDrafter:
     draft step run the same graph, their token count symbolic (ids, positions and the fed states
     marked dynamic, and so are the rows of the slot mapping and page table, which EAGLE-3's attention
     op takes) and the passes specialized to the DECODE family. Only decode-only steps may call it; a
-    pass over prefill rows runs eager."""
+    pass over prefill rows runs eager. With ``artifact`` (a file in the graph cache) it is precompiled
+    there, or loaded from there, as a family is (module docstring)."""
 
     def __init__(self, forward: Callable, passes: Sequence[GraphPass], inductor: bool = True,
-                 compile_threads: int | None = None) -> None:
+                 compile_threads: int | None = None, artifact: Path | None = None) -> None:
         self.forward = forward
         self.record = CompileRecord()
         backend = EncoreBackend(ForwardMode.DECODE, passes, self.record, inductor, compile_threads)
-        self._compiled = torch.compile(fresh_entry(_draft_entry), backend=backend, fullgraph=True, dynamic=False)
+        self._family = CompiledFamily(backend, artifact if inductor else None, entry=_draft_entry)
 
     def __call__(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if batch.num_extends:
@@ -427,7 +435,11 @@ class CompiledDrafter:
         batch = replace(batch, positions=_inference_alias(batch.positions),
                         slot_mapping=_inference_alias(batch.slot_mapping),
                         page_table=_inference_alias(batch.page_table))
-        for tensor in (input_ids, batch.positions, hidden, batch.slot_mapping, batch.page_table):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        with symbolic_sizes():
-            return self._compiled(self.forward, batch, input_ids, hidden)
+
+        def inputs(mark: bool) -> tuple:
+            if mark:
+                for tensor in (input_ids, batch.positions, hidden, batch.slot_mapping, batch.page_table):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            return self.forward, batch, input_ids, hidden
+
+        return self._family(inputs, f"a draft pass of {input_ids.shape[0]} tokens")

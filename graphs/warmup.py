@@ -69,7 +69,8 @@ def _clock(seconds: float) -> str:
 def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None = None, progress: bool = True,
            out: TextIO | None = None, **engine_options) -> dict:
     """Compiles every graph family of ``model`` and runs (on CUDA captures) every graph key under the
-    graph cache; returns the manifest written. ``engine_options`` are EngineConfig fields (dtype,
+    graph cache, and the model drafter's graph of a speculative method that has one; returns the
+    manifest written. ``engine_options`` are EngineConfig fields (dtype,
     page_size, graph sizes…): pass the ones the server will use, since they pick the cache."""
     from encore.engine.model_runner import ModelRunner
     from encore.models.config import ModelConfig
@@ -87,12 +88,27 @@ def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None
         raise ValueError("no graph key fits max_num_batched_tokens / max_num_seqs; nothing to warm up")
     bar = Progress(runner.graphs.keys, out) if progress else None
     runner.prepare_graphs(on_key=bar, rewrite_manifest=True)
+    drafter = _prepare_drafter(config, runner, model_config.vocab_size)
+    if progress and drafter is not None:
+        out.write(f"drafter graph {'loaded' if drafter.loaded else 'compiled'} in {drafter.seconds:.1f}s\n")
     manifest = json.loads(runner.graph_cache.manifest_path.read_text())
     if progress:
         out.write(f"warm-up done in {_clock(time.perf_counter() - start)}: {len(manifest['keys'])} keys, "
                   f"{sum(f['graphs_compiled'] for f in manifest['families'].values())} graphs compiled, graph pool "
                   f"{manifest['graph_pool_bytes'] / 2**20:.1f} MiB, cache {runner.graph_cache.root}\n")
     return manifest
+
+
+def _prepare_drafter(config: EngineConfig, runner, vocab_size: int):
+    """A model drafter's compiled graph (MTP, EAGLE-3), built as an engine start builds it (its
+    speculator compiles it into the graph cache and captures its CUDA graphs); its CompileRecord, or
+    None where the engine would compile none (no model drafter, or no compiled CUDA graphs)."""
+    if config.speculative is None:
+        return None
+    from encore.engine.spec.speculator import Speculator
+
+    compiled = Speculator(config.speculative, runner, vocab_size).compiled_drafter
+    return compiled.record if compiled is not None else None
 
 
 def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None) -> list[dict]:

@@ -14,7 +14,7 @@ from encore.engine import Engine, SamplingParams
 from encore.engine.request import Request
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.step import build_forward_batch
-from encore.graphs.compiler import CompiledFamily, aten_graph
+from encore.graphs.compiler import CompiledFamily, aten_graph, step_inputs
 from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers, padded_index
 from workloads import run_staggered
@@ -147,7 +147,7 @@ def run_pipeline(engine: Engine, batch: ForwardBatch, key: GraphKey, passes: lis
     real = padded_index(batch, key, torch.arange(batch.num_tokens, device=batch.input_ids.device))
     with torch.inference_mode():
         with engine.runner.context.bind(padded):
-            step(engine.runner.model, key, padded)
+            step(lambda mark: (engine.runner.model, *step_inputs(key, padded, mark)), key)
         eager = engine.runner.forward(batch)
     for stage in backend.stages:
         stage.hidden = stage.hidden[real]

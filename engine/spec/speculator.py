@@ -81,10 +81,12 @@ class Speculator:
             if graphs.compiled is not None:
                 self.compiled_drafter = CompiledDrafter(self.model_drafter.forward,
                                                         graphs.compiled.passes_for(ForwardMode.DECODE),
-                                                        compile_threads=graphs.compiled.compile_threads)
+                                                        compile_threads=graphs.compiled.compile_threads,
+                                                        artifact=runner.graph_cache.drafter_artifact)
             self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft, runner.heads.tokens,
                                             runner.heads.accepted)
-            self.draft_graphs.capture()
+            with runner.graph_cache.active():  # the drafter's compile work goes in the graph cache too
+                self.draft_graphs.capture()
 
     @property
     def q_len(self) -> int:
@@ -341,6 +343,7 @@ class Speculator:
             "drafter_eager_steps": self.drafter_eager_steps,
             "drafter_graph_replays": self.draft_graphs.replays if self.draft_graphs is not None else 0,
             "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
+            "drafter_loaded": self.compiled_drafter is not None and self.compiled_drafter.record.loaded,
         }
 
 

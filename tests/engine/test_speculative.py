@@ -346,7 +346,8 @@ def test_eagle3_cuda_graphs_greedy_matches_plain(v3_dir, tmp_path, compiled):
     assert [o.token_ids for o in spec.generate(E3_PROMPTS, E3_GREEDY)] == want
     stats = spec.stats()
     assert stats["graph_replays"] > 0 and stats["drafter_graph_replays"] > 0 and stats["drafter_eager_steps"] > 0, stats
-    assert (stats["drafter_compiles"] > 0) == compiled, stats  # the draft graphs run the compiled drafter
+    # The draft graphs run the compiled drafter, compiled or loaded from the graph cache.
+    assert (stats["drafter_compiles"] > 0 or stats["drafter_loaded"]) == compiled, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 

@@ -167,6 +167,17 @@ def test_identity_follows_inductor_settings(v3_dir, tmp_path):
     assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
 
 
+def test_identity_follows_the_model_drafter(v3_dir, tmp_path):
+    """The cache also holds a model drafter's graph: another drafter (or an EAGLE-3 draft model of
+    another config) is another cache."""
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    model_config = ModelConfig.from_pretrained(v3_dir)
+    roots = {GraphCache.for_engine(config, model_config, 64, drafter).root
+             for drafter in (None, {"method": "mtp", "config": None}, {"method": "eagle3", "config": {"hidden_size": 64}},
+                             {"method": "eagle3", "config": {"hidden_size": 128}})}
+    assert len(roots) == 4
+
+
 def test_precompiled_graphs_are_kept_per_kv_pool(v3_dir, tmp_path):
     """The latent caches are graph inputs whose shape dynamo guards, and the pool is sized at start-up:
     another page count has its own precompiled graphs (one pool's guards reject the other), in the same

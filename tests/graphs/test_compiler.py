@@ -92,6 +92,40 @@ def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, chec
         compiled(prefill, ids, hidden)
 
 
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_a_precompiled_drafter_is_loaded_by_the_next_start(method, checkpoint, tmp_path):
+    """With an artifact, the first drafter compiles and saves its graph; a second one (a later start)
+    loads it, compiles nothing, and gives the eager pass's states at two step sizes."""
+    if method == "mtp":
+        engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
+        width = engine.model_config.hidden_size
+    else:
+        drafter = write_eagle3_checkpoint(tmp_path)
+        engine = Engine(str(checkpoint("v3")), device="cpu", page_size=4,
+                        speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_model": str(drafter)})
+        width = EAGLE3_SHAPE["hidden_size"]
+    speculator = engine.speculator
+    artifact = tmp_path / "precompiled" / "drafter.aot"
+    gen = torch.Generator().manual_seed(1)
+    passes = []
+    for rows in (3, 1):
+        table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
+        positions = torch.randint(3, 15, (rows,), generator=gen)
+        ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
+        batch = next(_later_draft_steps(positions - 1, table, 4, torch.arange(1, 3)[:, None], [ids]))
+        passes.append((batch, ids, torch.randn(rows, width, generator=gen)))
+    for start in ("cold", "warm"):
+        compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1,
+                                   artifact=artifact)
+        with torch.inference_mode():
+            for batch, ids, hidden in passes:
+                want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
+                got = speculator._drafter_pass(compiled, batch, ids, hidden)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert artifact.is_file()
+        assert (compiled.record.compiles, compiled.record.loaded) == ((1, False) if start == "cold" else (0, True))
+
+
 def test_compiled_drafter_compiles_once_for_a_graph_steps_first_pass_and_its_draft_steps():
     """As a draft graph runs it (under inference mode): the first pass over a verify key's static step
     (views of the graph buffers, positions and slots far into them) and the k - 1 draft steps built on the

@@ -92,3 +92,28 @@ def test_warmup_then_warm_start_only_captures(v3_dir, tmp_path):
     replays = stats["graph_replays"]
     engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert engine.stats()["graph_replays"] > replays
+
+
+def test_warmup_builds_the_drafter_and_a_warm_start_loads_it(tmp_path):
+    """With an MTP drafter, `graphs warmup` also compiles the drafter's graph into the cache; an engine
+    started on that cache then traces nothing (target families and drafter loaded precompiled) and
+    drafts the tokens an eager engine does."""
+    from encore.models.tiny import default_model_dir
+
+    model = default_model_dir()
+    options = dict(dtype="float32", num_kv_pages=512, graph_decode_sizes=(4,), graph_mixed_extends=(),
+                   graph_extend_sizes=(), speculative={"method": "mtp", "num_speculative_tokens": 2})
+    out = io.StringIO()
+    warmup(model, device="cuda", cache_dir=tmp_path, out=out, **options)
+    assert "drafter graph compiled" in out.getvalue()
+    frames = counters["stats"]["unique_graphs"]
+    engine = Engine(str(model), device="cuda", graph_cache_dir=str(tmp_path), **options)
+    assert counters["stats"]["unique_graphs"] == frames
+    stats = engine.stats()
+    assert stats["drafter_loaded"] and stats["drafter_compiles"] == 0, stats
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = Engine(str(model), device="cuda", compile=False, cuda_graphs=False, **options)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    stats = engine.stats()
+    assert stats["drafter_graph_replays"] > 0 and stats["spec_accepted_tokens"] > 0, stats
