@@ -99,13 +99,14 @@ def serial_host_ops(device: torch.device) -> None:
 def same_ptxas_as_inductor(device: torch.device) -> None:
     """Points Triton at the ptxas Inductor compiles with (torch's own, ``TRITON_PTXAS_PATH``) before
     any kernel compiles, so that every start of an engine keys its kernels alike. Triton keys each
-    kernel it caches on the version of the ptxas its process first ran (``get_ptxas_version`` is
-    cached for the process), and Inductor switches Triton to torch's ptxas only on the path where it
-    compiles a kernel. A cold start compiles its graph families before encore's own kernels first
-    run, so it cached those under torch's ptxas; a warm start loads its families compiled, ran encore's
-    kernels first under Triton's bundled ptxas, missed every one of them in the cache and compiled
-    them again (benchmarks/README.md, "Decode step": ~8 s of a 24 s warm start on an H200). A ptxas
-    the user set is kept."""
+    kernel it caches on the version of the ptxas its process ran first (``get_ptxas_version`` is
+    cached for the process), and Inductor switches a process to torch's ptxas only where that process
+    itself compiles or loads one of Inductor's kernels. A cold start compiles them in Inductor's
+    worker processes, so its own process ran encore's kernels under Triton's bundled ptxas and cached
+    them under that version; a warm start loads Inductor's kernels in its own process before encore's
+    first run, looked encore's up under torch's ptxas, missed every one and compiled them again
+    (benchmarks/README.md, "Session 28": ~8 s of a 24 s warm start on an H200). A ptxas the user set
+    is kept."""
     if device.type == "cuda":
         from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
 

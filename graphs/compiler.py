@@ -46,8 +46,8 @@ is logged with dynamo's reason. An artifact that does not load is deleted with a
 compiled again; a family that cannot be precompiled (its guards reach an object that does not
 serialize) is compiled the ordinary way, with a warning. A model drafter's graph
 (``CompiledDrafter``) is precompiled and loaded the same way, one file beside the families'. What it
-was compiled from must not change under it: the cache's identity covers the torch version and a digest of encore's own sources, so any
-edit to the model, the passes or the ops starts a new cache.
+was compiled from must not change under it: the cache's identity covers the torch version and a
+digest of encore's own sources, so any edit to the model, the passes or the ops starts a new cache.
 
 Why a fresh code object per family: dynamo keeps its compiled entries, and its recompile limit, per
 code object, so families sharing one entry function would evict each other past the limit; with one

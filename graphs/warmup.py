@@ -19,13 +19,17 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from encore.engine.cli_options import add_engine_args, engine_kwargs
 from encore.engine.config import EngineConfig
 from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
 from encore.graphs.keys import GraphKey
 from encore.graphs.runner import KeyReport, first_call
+
+if TYPE_CHECKING:  # the engine is imported when a warm-up runs, not with the CLI
+    from encore.engine.model_runner import ModelRunner
+    from encore.graphs.compiler import CompileRecord
 
 
 class Progress:
@@ -99,7 +103,7 @@ def warmup(model: str | Path, device: str = "cuda", cache_dir: str | Path | None
     return manifest
 
 
-def _prepare_drafter(config: EngineConfig, runner, vocab_size: int):
+def _prepare_drafter(config: EngineConfig, runner: ModelRunner, vocab_size: int) -> CompileRecord | None:
     """A model drafter's compiled graph (MTP, EAGLE-3), built as an engine start builds it (its
     speculator compiles it into the graph cache and captures its CUDA graphs); its CompileRecord, or
     None where the engine would compile none (no model drafter, or no compiled CUDA graphs)."""

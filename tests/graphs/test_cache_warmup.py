@@ -172,9 +172,9 @@ def test_identity_follows_the_model_drafter(v3_dir, tmp_path):
     another config) is another cache."""
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
     model_config = ModelConfig.from_pretrained(v3_dir)
-    roots = {GraphCache.for_engine(config, model_config, 64, drafter).root
-             for drafter in (None, {"method": "mtp", "config": None}, {"method": "eagle3", "config": {"hidden_size": 64}},
-                             {"method": "eagle3", "config": {"hidden_size": 128}})}
+    drafters = (None, {"method": "mtp", "config": None}, {"method": "eagle3", "config": {"hidden_size": 64}},
+                {"method": "eagle3", "config": {"hidden_size": 128}})
+    roots = {GraphCache.for_engine(config, model_config, 64, drafter).root for drafter in drafters}
     assert len(roots) == 4
 
 

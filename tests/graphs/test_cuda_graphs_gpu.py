@@ -114,6 +114,7 @@ def test_warmup_builds_the_drafter_and_a_warm_start_loads_it(tmp_path):
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     eager = Engine(str(model), device="cuda", compile=False, cuda_graphs=False, **options)
-    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
     stats = engine.stats()
     assert stats["drafter_graph_replays"] > 0 and stats["spec_accepted_tokens"] > 0, stats
