@@ -4,9 +4,10 @@
 of each family (mode) compiles the family's graph, every key runs it and, on CUDA, captures its own
 CUDA graph (graphs/compiler.py). It works inside the graph cache of this model + configuration
 (graphs/cache.py) and writes its manifest. A later engine start with the same model, graph settings
-and versions finds the cache: Inductor's compile work is read back (dynamo still traces each family
-once) and the CUDA graphs are captured again (they cannot be stored). ``list_manifest`` prints what
-the cache holds.
+and versions finds the cache: the families (and a model drafter's graph) load precompiled where torch
+can (graphs/compiler.py), else Inductor's compile work is read back and dynamo traces each family
+once; the CUDA graphs are captured again (they cannot be stored). ``list_manifest`` prints what the
+cache holds.
 
 The CLI itself lives in server/cli.py; it calls ``add_graphs_subcommands(subparsers)`` to get both
 commands, each of which sets ``run`` (``args.run(args) -> int``, server/cli.py's convention).
@@ -146,6 +147,12 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
             out.write(f"  family {mode}: {family['keys']} keys, {family['graphs_compiled']} graph(s) compiled, "
                       f"{family['graphs_loaded']} loaded precompiled, {family['compile_s']:.1f}s to compile or "
                       f"load, {family['run_s']:.1f}s to run the other keys\n")
+        drafter = ident.get("drafter")
+        if drafter:
+            pools = sorted(p.parent.name for p in path.parent.glob("precompiled/*/drafter.aot"))
+            state = (f"graph precompiled for {', '.join(pools)}" if pools else
+                     "no precompiled graph (an engine start with CUDA graphs builds one)")
+            out.write(f"  drafter {drafter['method']}: {state}\n")
         out.write(f"  {len(keys)} keys, {manifest.get('total_s', 0):.1f}s, graph pool "
                   f"{manifest.get('graph_pool_bytes', 0) / 2**20:.1f} MiB\n")
     if not manifests:

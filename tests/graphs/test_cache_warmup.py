@@ -64,6 +64,21 @@ def test_sound_cache_is_used(small_cache):
                                                "run_s": 1.5}}
 
 
+def test_list_shows_whether_the_drafters_graph_is_precompiled(v3_dir, tmp_path):
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir), 64, {"method": "mtp", "config": None})
+    cache.inductor_dir.mkdir(parents=True)
+    cache.write_manifest([KeyReport(GraphKey(0, 3, 4, 12), 1.5, 0.0, 0)])
+    out = io.StringIO()
+    list_manifest(tmp_path, out=out)
+    assert "drafter mtp: no precompiled graph (" in out.getvalue()
+    cache.drafter_artifact.parent.mkdir(parents=True)
+    cache.drafter_artifact.write_bytes(b"x")
+    out = io.StringIO()
+    list_manifest(tmp_path, out=out)
+    assert "drafter mtp: graph precompiled for kv_pages-64" in out.getvalue()
+
+
 def test_family_summary_splits_compile_or_load_from_runs(small_cache):
     reports = [KeyReport(GraphKey(0, 1, 8, 8), 9.0, 0.5, 0, graphs_compiled=1),
                KeyReport(GraphKey(0, 1, 4, 4), 0.25, 0.5, 0), KeyReport(GraphKey(0, 1, 2, 2), 0.25, 0.5, 0),
