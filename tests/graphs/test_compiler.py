@@ -56,30 +56,43 @@ def test_a_family_compiles_once_for_all_its_sizes_and_recompiles_are_counted_the
     assert len(runs) == 2 + 1  # DECODE compiled twice (the bound), then ran uncompiled; EXTEND once
 
 
+def drafter_engine(method: str, checkpoint, tmp_path) -> tuple[Engine, int]:
+    """A CPU engine drafting with ``method`` (encore-tiny's MTP layer, or an EAGLE-3 drafter over the tiny
+    V3), and the width of the states its drafter is fed."""
+    if method == "mtp":
+        engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
+        return engine, engine.model_config.hidden_size
+    drafter = write_eagle3_checkpoint(tmp_path)
+    engine = Engine(str(checkpoint("v3")), device="cpu", page_size=4,
+                    speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_model": str(drafter)})
+    return engine, EAGLE3_SHAPE["hidden_size"]
+
+
+def draft_steps(engine: Engine, width: int, row_counts: tuple[int, ...], seed: int) -> list[tuple]:
+    """(batch, ids, hidden) of a draft's second step (a q_len-1 decode step at the first draft's
+    position + 1) for each row count, on random positions, ids and fed states."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for rows in row_counts:
+        table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
+        positions = torch.randint(3, 15, (rows,), generator=gen)
+        ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
+        hidden = torch.randn(rows, width, generator=gen)
+        batch = next(_later_draft_steps(positions - 1, table, 4, torch.arange(1, 3)[:, None], [ids]))
+        steps.append((batch, ids, hidden))
+    return steps
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, checkpoint, tmp_path):
     """A drafter's pass compiled once (DECODE family, token count and rows symbolic) gives the eager
     pass's states at three step sizes (a q_len-1 draft step of 4 rows, 2 and 1), and refuses prefill
     rows: the MTP layer (attention through the step context) and EAGLE-3's layer (its own attention
     op over the batch's tensors)."""
-    if method == "mtp":
-        engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
-        width = engine.model_config.hidden_size
-    else:
-        drafter = write_eagle3_checkpoint(tmp_path)
-        engine = Engine(str(checkpoint("v3")), device="cpu", page_size=4,
-                        speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_model": str(drafter)})
-        width = EAGLE3_SHAPE["hidden_size"]
+    engine, width = drafter_engine(method, checkpoint, tmp_path)
     speculator = engine.speculator
     compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1)
-    gen = torch.Generator().manual_seed(0)
-    for rows in (4, 2, 1):
-        table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
-        positions = torch.randint(3, 15, (rows,), generator=gen)
-        ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
-        hidden = torch.randn(rows, width, generator=gen)
-        # A draft's second step is a q_len-1 decode step at the first draft's position + 1.
-        batch = next(_later_draft_steps(positions - 1, table, 4, torch.arange(1, 3)[:, None], [ids]))
+    for batch, ids, hidden in draft_steps(engine, width, (4, 2, 1), seed=0):
         with torch.inference_mode():
             want = speculator._drafter_pass(speculator.model_drafter.forward, batch, ids, hidden)
             got = speculator._drafter_pass(compiled, batch, ids, hidden)
@@ -96,24 +109,10 @@ def test_compiled_drafter_matches_the_eager_pass_at_every_step_size(method, chec
 def test_a_precompiled_drafter_is_loaded_by_the_next_start(method, checkpoint, tmp_path):
     """With an artifact, the first drafter compiles and saves its graph; a second one (a later start)
     loads it, compiles nothing, and gives the eager pass's states at two step sizes."""
-    if method == "mtp":
-        engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2})
-        width = engine.model_config.hidden_size
-    else:
-        drafter = write_eagle3_checkpoint(tmp_path)
-        engine = Engine(str(checkpoint("v3")), device="cpu", page_size=4,
-                        speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_model": str(drafter)})
-        width = EAGLE3_SHAPE["hidden_size"]
+    engine, width = drafter_engine(method, checkpoint, tmp_path)
     speculator = engine.speculator
     artifact = tmp_path / "precompiled" / "drafter.aot"
-    gen = torch.Generator().manual_seed(1)
-    passes = []
-    for rows in (3, 1):
-        table = 1 + torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
-        positions = torch.randint(3, 15, (rows,), generator=gen)
-        ids = torch.randint(0, engine.model_config.vocab_size, (rows,), generator=gen)
-        batch = next(_later_draft_steps(positions - 1, table, 4, torch.arange(1, 3)[:, None], [ids]))
-        passes.append((batch, ids, torch.randn(rows, width, generator=gen)))
+    passes = draft_steps(engine, width, (3, 1), seed=1)
     for start in ("cold", "warm"):
         compiled = CompiledDrafter(speculator.model_drafter.forward, passes_for(ForwardMode.DECODE), compile_threads=1,
                                    artifact=artifact)
