@@ -59,7 +59,7 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def _runs_batched_gemv(tokens: int, w: torch.Tensor) -> bool:
+def runs_batched_gemv(tokens: int, w: torch.Tensor) -> bool:
     """``runs_gemv``'s rule for per-head weights [H, ·, ·] (all heads' elements counted)."""
     return tokens <= GEMV_TOKENS and w.numel() <= GEMV_MAX_WEIGHT
 
@@ -69,7 +69,7 @@ def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
     Under the GEMV rule, the batched GEMV into a contiguous result; else a batched GEMM written
     head-major (a [T, H, R] view of [H, T, R]: no transposing copy on either side)."""
     w_kc = w_kc.to(q_nope.dtype)
-    if not _runs_batched_gemv(q_nope.shape[0], w_kc):
+    if not runs_batched_gemv(q_nope.shape[0], w_kc):
         return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
     from encore.backends.gemv_triton import batched_gemv  # triton is imported on first use
 
@@ -81,7 +81,7 @@ def project_values(o_lat: torch.Tensor, w_vc: torch.Tensor, out: torch.Tensor) -
     """out [T, H, dv] = o_lat [T, H, R] · W_vc [H, dv, R]ᵀ per head (MLA's latent attention output to
     values), in place: the batched GEMV under its rule, else a batched GEMM."""
     w_vc = w_vc.to(o_lat.dtype)
-    if not _runs_batched_gemv(o_lat.shape[0], w_vc):
+    if not runs_batched_gemv(o_lat.shape[0], w_vc):
         torch.bmm(o_lat.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))
         return
     from encore.backends.gemv_triton import batched_gemv

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
-from encore.backends.dense import absorb_query, project_values
+from encore.backends.dense import absorb_query
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.backends.triton_mla import mla_decode, mla_prefill, warm_up_decode
 from encore.engine.kv_cache import DUMMY_PAGE
@@ -16,7 +16,8 @@ class TritonAttentionBackend(AttentionBackend):
     can be captured in a CUDA graph. The same math as the torch reference, in the model's dtype:
 
     Decode rows: q_lat = q_nope·W_kc [T, H, R], the split-KV flash-decoding kernel over the latent
-    cache into a [T, H, R] latent output, then ·W_vc into ``out``. Any uniform q_len_per_req. The
+    cache into a [T, H, R] latent output, then ·W_vc into ``out`` (at one token the kernel's merge
+    projects the values itself: ``mla_decode``'s ``w_vc``). Any uniform q_len_per_req. The
     kernel's launch settings and KV splits are functions of static sizes only (rows, q_len, the page
     table's width, the dtype), so a captured graph stays valid for any ``seq_lens``.
     Prefill rows take one of two paths, chosen by whether the step's shapes are static (as in the
@@ -48,7 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not self.kv_caches:
             return 0
         return warm_up_decode(self.kv_caches[0], DUMMY_PAGE, self.dims.num_heads, q_len, self.dims.qk_rope_head_dim,
-                              self.dims.softmax_scale)
+                              self.dims.v_head_dim, self.dims.softmax_scale)
 
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
         self._static = static
@@ -87,6 +88,5 @@ class TritonAttentionBackend(AttentionBackend):
                   q_len: int) -> None:
         """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
         q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]; the kernel takes either layout by its strides
-        o_lat = torch.empty_like(q_lat)  # q_lat's layout
-        mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, o_lat)
-        project_values(o_lat, w_vc, out)
+        mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, out,
+                   w_vc=w_vc.to(q_lat.dtype))

@@ -10,9 +10,12 @@ equal ranges (computed in the kernel from ``seq_lens``, so the grid depends on s
 the launch can be captured in a CUDA graph); each split writes its normalized partial output and
 log-sum-exp to a float32 workspace and a second kernel merges them. A split or query that sees no
 key contributes nothing (its output is 0), so splits past a short row's end are harmless. With one
-split the first kernel writes ``out`` directly.
+split the first kernel writes ``out`` directly. Given W_vc, a one-token step's merge also projects
+the values (latent output · W_vcᵀ per head), as a programmatic dependent of the split kernel whose
+W_vc read overlaps it: one launch in place of the merge and ``dense.project_values``'s GEMV.
 
     grid (cdiv(q_len·H, BLOCK_M), B, num_kv_splits)  then  merge grid (B·q_len, H, column blocks)
+                                                      or   merge + values grid (cdiv(dv, rows), H)
 
 ``mla_prefill`` (FlashAttention-2 forward, ragged, causal with a cached prefix). A program handles
 BLOCK_M queries of one row and one head. Programs are numbered over the rows' query tiles in order;
@@ -44,6 +47,8 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.dense import project_values, runs_batched_gemv
+from encore.backends.pdl import pdl_supported
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KV_SPLITS = 64
@@ -55,6 +60,14 @@ MIN_KEYS_PER_SPLIT = 32
 # split + merge, against 16 splits a round), 16 splits a round of whole 512-wide rows.
 _MERGE_TILE = 8192
 _MERGE_FEW_ROWS_COLUMNS = 128
+# The merge that projects values (``_decode_merge_values_kernel``): W_vc rows a program (32, fewer where
+# 32 rows of R would pass _MERGE_VALUES_ELEMENTS) and its warps. Swept on an H200 (bf16, V2-Lite attention,
+# one token, a CUDA-graph chain of 26 layers with the W_UK and o_proj GEMVs; 4/8/16/32 rows × 4/8 warps ×
+# 8/16/32 splits a round): 32 rows on four warps, 16 splits a round, 15.1 µs a layer at 1k keys and 23.4
+# at 8k, against 15.7 / 24.8 with the GEMV's own 8 rows and 17.2 / 25.2 for the merge and GEMV apart.
+_MERGE_VALUES_ELEMENTS = 16384
+_MERGE_VALUES_ROWS = 32
+_MERGE_VALUES_WARPS = 4
 _ROW_CHUNK = tl.constexpr(16)  # prefill rows scanned at a time when a program looks for its row
 
 
@@ -203,9 +216,12 @@ def _decode_split_kernel(
         stride_qt, stride_qh, stride_pet, stride_peh, stride_kvp, stride_kvs, stride_ptb, stride_ot, stride_oh,
         num_splits, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
         R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+        RELEASE: tl.constexpr):
     # Head blocks vary fastest in the launch order, so the programs that read the same KV tiles run
     # together and all but the first find them in L2.
+    if RELEASE:  # the merge launched as a programmatic dependent starts its weight read now
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat (position i, head h) = i * H + h
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -262,6 +278,26 @@ def _decode_split_kernel(
         tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=pair_ok)
 
 
+@triton.jit
+def _merged(PART_O, PART_LSE, base, num_splits, c, c_ok, R: tl.constexpr, BLOCK_S: tl.constexpr,
+            CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The merged latent output [C] (float32) of columns ``c`` of the (token, head) whose splits' rows
+    start at ``base``, loading CHUNK_S splits' slices at a time; empty splits (weight 0) are not read."""
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(PART_LSE + base + s, mask=s < num_splits, other=float("-inf"))  # [S], log2 units
+    lse_max = tl.max(lse, 0)
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse - lse_ref), 0)  # empty splits weigh 0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        k = s0 + tl.arange(0, CHUNK_S)
+        weight = tl.exp2(tl.load(PART_LSE + base + k, mask=k < num_splits, other=float("-inf")) - lse_ref)  # [K]
+        part = tl.load(PART_O + (base + k)[:, None] * R + c[None, :], mask=(weight > 0.0)[:, None] & c_ok[None, :],
+                       other=0.0)  # [K, C]
+        acc += tl.sum(part * weight[:, None], 0)
+    return acc / tl.where(total > 0.0, total, 1.0)
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits, NUM_HEADS: tl.constexpr,
@@ -273,32 +309,54 @@ def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [C] latent columns
-    base = (tok * NUM_HEADS + head) * num_splits
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(PART_LSE + base + s, mask=s < num_splits, other=float("-inf"))  # [S], log2 units
-    lse_max = tl.max(lse, 0)
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse - lse_ref), 0)  # empty splits weigh 0
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
-        k = s0 + tl.arange(0, CHUNK_S)
-        k_ok = k < num_splits
-        weight = tl.exp2(tl.load(PART_LSE + base + k, mask=k_ok, other=float("-inf")) - lse_ref)  # [K]
-        part = tl.load(PART_O + (base + k)[:, None] * R + c[None, :], mask=k_ok[:, None] & (c[None, :] < R),
-                       other=0.0)  # [K, C]
-        acc += tl.sum(part * weight[:, None], 0)
-    acc = acc / tl.where(total > 0.0, total, 1.0)
+    acc = _merged(PART_O, PART_LSE, (tok * NUM_HEADS + head) * num_splits, num_splits, c, c < R, R, BLOCK_S, CHUNK_S,
+                  BLOCK_C)
     tl.store(OUT + tok * stride_ot + head * stride_oh + c, acc.to(OUT.dtype.element_ty), mask=c < R)
+
+
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_tokens, num_splits, stride_wh, stride_wn, stride_ot,
+                                stride_oh, NUM_HEADS: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                                CHUNK_S: tl.constexpr, PDL: tl.constexpr):
+    # Program (i, h): rows i·BLOCK_N.. of head h's W_vc [DV, R]. The weight is read into registers
+    # first (as a programmatic dependent: while the split kernel runs), then each token's merged latent
+    # of head h, rounded to the model's dtype as the unmerged path stores it, is multiplied against it:
+    # the GEMV of ``dense.project_values`` with the merge as its prologue. Every program of a head
+    # merges the head's splits itself (no second launch, no latent output in memory).
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    head = tl.program_id(1)
+    c = tl.arange(0, BLOCK_R)
+    c_ok = c < R
+    row_ok = rows < DV
+    w = tl.load(W + head * stride_wh + rows[:, None] * stride_wn + c[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    w = w.to(tl.float32)
+    for t in range(num_tokens):
+        o = _merged(PART_O, PART_LSE, (t * NUM_HEADS + head) * num_splits, num_splits, c, c_ok, R, BLOCK_S, CHUNK_S,
+                    BLOCK_R)
+        o = o.to(W.dtype.element_ty).to(tl.float32)
+        acc = tl.sum(w * o[None, :], axis=1)
+        tl.store(OUT + t * stride_ot + head * stride_oh + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, q_len: int, softmax_scale: float, out: torch.Tensor, *,
-               num_kv_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+               w_vc: torch.Tensor | None = None, num_kv_splits: int | None = None,
+               config: KernelConfig | None = None) -> torch.Tensor:
     """Absorbed MLA decode of B rows of ``q_len`` tokens each over the paged latent cache.
 
     q_lat [B·q_len, H, R] (q_nope·W_kc), q_pe [B·q_len, H, Dr], kv_cache [pages, page_size, R + Dr],
     page_table [B, max_pages] int32, seq_lens [B] int32 (KV length after this step, the q_len new
-    tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc).
+    tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc); with ``w_vc`` [H, dv, R]
+    out [B·q_len, H, dv] is the values, the latent output · W_vcᵀ per head (``dense.project_values``).
+    Where that projection runs on the GEMV (one token) and the keys are split, the merge kernel does it:
+    its programs merge a head's splits and multiply the result against their rows of W_vc, one launch
+    for both (``_decode_merge_values_kernel``); elsewhere the latent output goes through a temporary.
     Query i of row b sits at position seq_lens[b] - q_len + i and sees keys 0..that position; the
     caller guarantees seq_lens[b] <= max_pages·page_size. ``config`` and ``num_kv_splits`` None: chosen
     from the SM count and the page table's capacity (``decode_launch``, or ``choose_num_kv_splits`` for
@@ -316,7 +374,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     rope = q_pe.shape[2]
     _check(kv_cache.dim() == 3 and kv_cache.shape[2] == rank + rope,
            f"kv_cache {tuple(kv_cache.shape)}: expected [pages, page_size, {rank} + {rope}]")
-    _check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
+    if w_vc is None:
+        _check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
+    else:
+        _check(w_vc.dim() == 3 and w_vc.shape[0] == heads and w_vc.shape[2] == rank and w_vc.dtype == q_lat.dtype,
+               f"w_vc {tuple(w_vc.shape)} {w_vc.dtype}: expected [{heads}, dv, {rank}] {q_lat.dtype}")
+        _check(out.shape == (tokens, heads, w_vc.shape[1]),
+               f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {w_vc.shape[1]}] (w_vc's dv)")
+        _check_last_dim_contiguous(w_vc=w_vc)
+        _check_same_device(q_lat=q_lat, w_vc=w_vc)
     _check(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
            f"page_table {tuple(page_table.shape)} {page_table.dtype}: expected [{batch}, max_pages] int32")
     _check(page_table.stride(1) == 1, f"page_table stride {page_table.stride()}: rows must be contiguous")
@@ -336,26 +402,40 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         return out
 
     direct = num_kv_splits == 1
-    if direct:  # the split kernel writes out itself; the workspace arguments are never read
-        part_o = part_lse = out
+    merge_values = w_vc is not None and not direct and runs_batched_gemv(tokens, w_vc)
+    latent = out if w_vc is None or merge_values else torch.empty_like(q_lat)  # q_lat's layout
+    if direct:  # the split kernel writes the latent output itself; the workspace arguments are never read
+        part_o = part_lse = latent
     else:
         part_o = torch.empty(tokens, heads, num_kv_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(tokens, heads, num_kv_splits, dtype=torch.float32, device=out.device)
+    pdl = merge_values and pdl_supported(out.device)
     block_r = max(16, triton.next_power_of_2(rank))
     grid = (triton.cdiv(q_len * heads, config.block_m), batch, num_kv_splits)
     _decode_split_kernel[grid](
-        q_lat, q_pe, kv_cache, page_table, seq_lens, out, part_o, part_lse, softmax_scale * math.log2(math.e),
+        q_lat, q_pe, kv_cache, page_table, seq_lens, latent, part_o, part_lse, softmax_scale * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0), out.stride(0), out.stride(1), num_kv_splits,
+        page_table.stride(0), latent.stride(0), latent.stride(1), num_kv_splits,
         NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, BLOCK_R=block_r,
         BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), num_warps=config.num_warps,
+        DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), RELEASE=pdl, num_warps=config.num_warps,
         num_stages=config.num_stages)
+    block_s = triton.next_power_of_2(MAX_KV_SPLITS)
+    if merge_values:
+        block_n = max(1, min(_MERGE_VALUES_ROWS, _MERGE_VALUES_ELEMENTS // block_r))
+        _decode_merge_values_kernel[(triton.cdiv(w_vc.shape[1], block_n), heads)](
+            part_o, part_lse, w_vc, out, tokens, num_kv_splits, w_vc.stride(0), w_vc.stride(1), out.stride(0),
+            out.stride(1), NUM_HEADS=heads, R=rank, DV=w_vc.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
+            BLOCK_S=block_s, CHUNK_S=min(block_s, _MERGE_TILE // block_r), PDL=pdl, num_warps=_MERGE_VALUES_WARPS,
+            launch_pdl=pdl)
+        return out
     if not direct:
-        block_c, block_s = _merge_columns(tokens, heads, num_sms, block_r), triton.next_power_of_2(MAX_KV_SPLITS)
+        block_c = _merge_columns(tokens, heads, num_sms, block_r)
         _decode_merge_kernel[(tokens, heads, triton.cdiv(rank, block_c))](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
+            part_o, part_lse, latent, latent.stride(0), latent.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
             BLOCK_S=block_s, CHUNK_S=min(block_s, _MERGE_TILE // block_c), BLOCK_C=block_c, num_warps=4)
+    if w_vc is not None:
+        project_values(latent, w_vc, out)
     return out
 
 
@@ -367,13 +447,16 @@ def _merge_columns(tokens: int, heads: int, num_sms: int, block_r: int) -> int:
     return block_r if tokens * heads >= num_sms else min(block_r, _MERGE_FEW_ROWS_COLUMNS)
 
 
-def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, rope: int, softmax_scale: float) -> int:
+def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, rope: int, v_head_dim: int,
+                   softmax_scale: float) -> int:
     """Launches ``mla_decode`` once per kernel variant a step with rows of ``q_len`` tokens can reach
-    (each ``decode_configs`` entry, with one split and with several, each merge width) on scratch
-    queries over ``page`` of ``cache`` (contents unused), laid out as the Triton backend lays out
-    its own (q_lat head-major); returns the launches. Variants compiled here are not compiled while serving."""
+    (each ``decode_configs`` entry, with one split and with several, each merge width, the merge that
+    projects values) on scratch queries over ``page`` of ``cache`` (contents unused), laid out as the
+    Triton backend lays out its own (q_lat head-major, values through a W_vc of ``v_head_dim`` rows a
+    head); returns the launches. Variants compiled here are not compiled while serving."""
     rank, page_size = cache.shape[2] - rope, cache.shape[1]
     width = triton.cdiv(q_len, page_size)
+    w_vc = torch.zeros(num_heads, v_head_dim, rank, dtype=cache.dtype, device=cache.device)
     launches = 0
     for rows in sorted({1, triton.cdiv(_num_sms(cache.device), q_len * num_heads)}):  # both merge widths
         tokens = rows * q_len
@@ -381,11 +464,11 @@ def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, r
         q_pe = torch.zeros(tokens, num_heads, rope, dtype=cache.dtype, device=cache.device)
         table = torch.full((rows, width), page, dtype=torch.int32, device=cache.device)
         seq_lens = torch.full((rows,), q_len, dtype=torch.int32, device=cache.device)
-        out = torch.empty_like(q_lat)
+        out = torch.empty(tokens, num_heads, v_head_dim, dtype=cache.dtype, device=cache.device)
         for config in decode_configs(num_heads, q_len, cache.dtype):
             for splits in (1, 2):
-                mla_decode(q_lat, q_pe, cache, table, seq_lens, q_len, softmax_scale, out, num_kv_splits=splits,
-                           config=config)
+                mla_decode(q_lat, q_pe, cache, table, seq_lens, q_len, softmax_scale, out, w_vc=w_vc,
+                           num_kv_splits=splits, config=config)
                 launches += 1
     return launches
 

@@ -12,6 +12,7 @@ import torch
 
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
+from encore.backends.dense import project_values
 from encore.backends.triton_mla import (
     MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, mla_prefill,
     warm_up_decode)
@@ -198,11 +199,46 @@ def test_decode_configs_lists_every_pick(heads, q_len, dtype):
 
 
 @in_process
-def test_warm_up_decode_launches_each_variant():
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_warm_up_decode_launches_each_variant(q_len):
     cache = torch.randn(3, 4, 32 + 16, device=DEVICE, dtype=torch.float16)
-    # 4 (position, head) pairs a row: one row and enough rows to fill the (interpreter's 8) SMs, for
-    # both merge widths, x each listed config x (one split, two)
-    assert warm_up_decode(cache, 0, 2, 2, 16, 0.3) == 2 * len(decode_configs(2, 2, torch.float16)) * 2
+    # 2·q_len (position, head) pairs a row: one row and enough rows to fill the (interpreter's 8) SMs,
+    # for both merge widths (and, one token, the merge that projects values) x each listed config x
+    # (one split, two)
+    assert warm_up_decode(cache, 0, 2, q_len, 16, 8, 0.3) == 2 * len(decode_configs(2, q_len, torch.float16)) * 2
+
+
+def values_reference(latent, w_vc):
+    """[T, H, dv]: the latent output rounded to w_vc's dtype (as it is stored between the two
+    kernels), times W_vcᵀ per head, in float32."""
+    return torch.einsum("thr,hvr->thv", latent.to(w_vc.dtype).float(), w_vc.float())
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 37])
+@pytest.mark.parametrize(("seq_lens", "q_len"), [([70], 1), ([1], 1), ([9, 40], 1), ([30], 2)],
+                         ids=["one-token", "one-key", "two-rows", "two-tokens"])
+def test_decode_values_match_reference(seq_lens, q_len, num_kv_splits, dtype):
+    """With w_vc, out is the values. One token with split keys takes the merge kernel that projects
+    them (its programs merging a head's splits themselves: 37 splits, most of them empty); every
+    other step the latent output and ``project_values``. Both match the float32 reference, and what
+    the latent output followed by ``project_values`` gives (the same sums, up to their order)."""
+    heads, rank, rope, dv, scale = 3, 32, 16, 24, 0.3
+    q_lat, q_pe, cache, page_table, lens = make_decode(seq_lens, q_len, heads, rank, rope, 4, dtype)
+    gen = torch.Generator().manual_seed(5)
+    # W_vc as the model has it: a [H, dv, R] view of kv_b_proj's rows, [k_nope (dn) | v (dv)] per head
+    w_vc = torch.randn(heads, 8 + dv, rank, generator=gen).to(device=DEVICE, dtype=dtype)[:, 8:]
+    out = torch.full((q_lat.shape[0], heads, dv), float("nan"), dtype=dtype, device=DEVICE)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, out, w_vc=w_vc, num_kv_splits=num_kv_splits)
+    ref = values_reference(decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale), w_vc)
+    assert max_rel_error(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+    latent = torch.empty_like(q_lat)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, latent, num_kv_splits=num_kv_splits)
+    two_kernels = torch.empty_like(out)
+    project_values(latent, w_vc, two_kernels)
+    assert max_rel_error(out, two_kernels.float()) < (1e-6 if dtype == torch.float32 else 1e-3)
 
 
 @in_process
@@ -219,6 +255,11 @@ def test_decode_rejects_bad_inputs():
         mla_decode(q_lat, q_pe, cache, page_table, lens, 1, 0.2, out, num_kv_splits=65)
     with pytest.raises(ValueError, match="block_n=24"):
         KernelConfig(block_m=16, block_n=24, num_warps=4, num_stages=1)
+    w_vc = torch.zeros(4, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"w_vc \(4, 16, 31\)"):
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, 0.2, out[..., :16], w_vc=w_vc[..., :31])
+    with pytest.raises(ValueError, match=r"out \(2, 4, 32\): expected \[2, 4, 16\]"):
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, 0.2, out, w_vc=w_vc)
 
 
 # ---------------------------------------------------------------- prefill (CPU: interpreter)
@@ -348,6 +389,43 @@ def test_decode_cuda_graph_replay_gpu(q_len):
     page_table[:, :second[3].shape[1]] = second[3] + first[2].shape[0]
     graph.replay()
     assert max_rel_error(out, decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale)) < BF16_TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("seq_len", [1, 1000, 16384 + 77])
+def test_decode_values_one_token_gpu(heads, seq_len, dtype):
+    """One token's values through the merge that projects them (a programmatic dependent of the split
+    kernel on sm90+), at real sizes and split counts (a table of 16k keys: 64 splits, most of them
+    empty for short rows): the float32 reference within tolerance, the latent output followed by
+    ``project_values`` within rounding (the splits are summed in another order), and a CUDA graph's
+    replay bit for bit."""
+    q_lat, q_pe, cache, page_table, lens = make_decode([seq_len], 1, heads, 512, 64, 64, dtype, spare_pages=260)
+    gen = torch.Generator().manual_seed(3)
+    w_vc = (torch.randn(heads, 256, 512, generator=gen) * 0.05).to(device=DEVICE, dtype=dtype)[:, 128:]
+    scale = 192 ** -0.5
+    latent, two_kernels = torch.empty_like(q_lat), torch.empty(1, heads, 128, dtype=dtype, device=DEVICE)
+    mla_decode(q_lat, q_pe, cache, page_table, lens, 1, scale, latent)
+    project_values(latent, w_vc, two_kernels)
+    out = torch.empty_like(two_kernels)
+
+    def run():
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, scale, out, w_vc=w_vc)
+
+    run()
+    eager = out.clone()
+    assert max_rel_error(eager, two_kernels.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    ref = values_reference(decode_reference(q_lat, q_pe, cache, page_table, lens, 1, scale), w_vc)
+    assert max_rel_error(eager, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu
