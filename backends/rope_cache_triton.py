@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.pdl import pdl_supported
 
 
 @kernel_variants.watched
@@ -23,8 +24,10 @@ def _rope_cache_write_kernel(
     q_stride_t, q_stride_h, kv_c_stride_t, k_pe_stride_t, cos_sin_stride, cache_stride_slot,
     q_out_stride_t, q_out_stride_h, num_heads,
     RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    if RELEASE:  # a programmatic dependent after it (the absorbed query's GEMV) starts its weight read now
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
@@ -89,6 +92,6 @@ def rope_cache_write_triton(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: t
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cos_sin.stride(0), cache.shape[-1],
         q_out.stride(0), q_out.stride(1), num_heads,
         RANK=rank, HALF=half, BLOCK_RANK=triton.next_power_of_2(rank), BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved,
+        INTERLEAVED=interleaved, RELEASE=pdl_supported(q_pe.device),
     )
     return q_out
