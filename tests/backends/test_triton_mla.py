@@ -12,6 +12,7 @@ import torch
 
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
+from encore.backends import triton_mla
 from encore.backends.dense import project_values
 from encore.backends.triton_mla import (
     MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, mla_prefill,
@@ -219,7 +220,7 @@ def values_reference(latent, w_vc):
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 37])
 @pytest.mark.parametrize(("seq_lens", "q_len"), [([70], 1), ([1], 1), ([9, 40], 1), ([30], 2)],
                          ids=["one-token", "one-key", "two-rows", "two-tokens"])
-def test_decode_values_match_reference(seq_lens, q_len, num_kv_splits, dtype):
+def test_decode_values_match_reference(seq_lens, q_len, num_kv_splits, dtype, monkeypatch):
     """With w_vc, out is the values. One token with split keys takes the merge kernel that projects
     them (its programs merging a head's splits themselves: 37 splits, most of them empty); every
     other step the latent output and ``project_values``. Both match the float32 reference, and what
@@ -230,7 +231,11 @@ def test_decode_values_match_reference(seq_lens, q_len, num_kv_splits, dtype):
     # W_vc as the model has it: a [H, dv, R] view of kv_b_proj's rows, [k_nope (dn) | v (dv)] per head
     w_vc = torch.randn(heads, 8 + dv, rank, generator=gen).to(device=DEVICE, dtype=dtype)[:, 8:]
     out = torch.full((q_lat.shape[0], heads, dv), float("nan"), dtype=dtype, device=DEVICE)
+    projections = []
+    monkeypatch.setattr(triton_mla, "project_values", lambda *args: projections.append(project_values(*args)))
     mla_decode(q_lat, q_pe, cache, page_table, lens, q_len, scale, out, w_vc=w_vc, num_kv_splits=num_kv_splits)
+    merged_with_values = len(seq_lens) * q_len == 1 and num_kv_splits > 1
+    assert len(projections) == (0 if merged_with_values else 1)
     ref = values_reference(decode_reference(q_lat, q_pe, cache, page_table, lens, q_len, scale), w_vc)
     assert max_rel_error(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
 
