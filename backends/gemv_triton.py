@@ -36,6 +36,18 @@ _MAX_BLOCK_N = 8  # weight rows a program holds when K is contiguous (whole rows
 _MAX_BLOCK_N_COLUMNS = 64  # when N is contiguous: 128 bytes of each of the K rows a program reads
 
 
+@triton.jit
+def preload_then_wait(ptrs, mask, PDL: tl.constexpr):
+    """A weight tile (zero outside ``mask``) as float32, loaded before the wait for the kernel before
+    (``PDL``): its read overlaps that kernel's tail, and the next programmatic dependent is released
+    once it is issued. Nothing a kernel wrote may be read before this returns."""
+    w = tl.load(ptrs, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    return w.to(tl.float32)
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_tokens", "n", "stride_xm", "stride_xg", "stride_wg", "stride_w", "stride_om",
                                "stride_og"])
@@ -50,15 +62,11 @@ def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stri
     col_ok = cols < K
     w_group = W + g * stride_wg
     if K_CONTIGUOUS:  # [BLOCK_N, BLOCK_K]
-        w = tl.load(w_group + rows[:, None] * stride_w + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        w = preload_then_wait(w_group + rows[:, None] * stride_w + cols[None, :], row_ok[:, None] & col_ok[None, :],
+                              PDL)
     else:  # [BLOCK_K, BLOCK_N]
-        w = tl.load(w_group + cols[:, None] * stride_w + rows[None, :], mask=col_ok[:, None] & row_ok[None, :],
-                    other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    w = w.to(tl.float32)
+        w = preload_then_wait(w_group + cols[:, None] * stride_w + rows[None, :], col_ok[:, None] & row_ok[None, :],
+                              PDL)
     for m in range(num_tokens):
         x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok, other=0.0).to(tl.float32)
         if K_CONTIGUOUS:

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from encore.backends import kernel_variants
 from encore.backends.dense import project_values, runs_batched_gemv
+from encore.backends.gemv_triton import preload_then_wait
 from encore.backends.pdl import pdl_supported
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -330,12 +331,8 @@ def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_tokens, num_splits
     c = tl.arange(0, BLOCK_R)
     c_ok = c < R
     row_ok = rows < DV
-    w = tl.load(W + head * stride_wh + rows[:, None] * stride_wn + c[None, :], mask=row_ok[:, None] & c_ok[None, :],
-                other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    w = w.to(tl.float32)
+    w = preload_then_wait(W + head * stride_wh + rows[:, None] * stride_wn + c[None, :],
+                          row_ok[:, None] & c_ok[None, :], PDL)
     for t in range(num_tokens):
         o = _merged(PART_O, PART_LSE, (t * NUM_HEADS + head) * num_splits, num_splits, c, c_ok, R, BLOCK_S, CHUNK_S,
                     BLOCK_R)
