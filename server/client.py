@@ -11,7 +11,9 @@ abort the request (the server frees its pages). A ``timeout`` becomes the call's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+import reprlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -27,32 +29,42 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   min_p: float | None = None, repetition_penalty: float | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                  seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, logprobs: int | None = None,
                   speculative: bool | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; options left None are left unset, so the server's defaults apply
-    (``speculative=False`` opts the request out of the server's speculative decoding)."""
+    (``speculative=False`` opts the request out of the server's speculative decoding). ``stop`` is one
+    stop string or several. A value the message cannot hold (a negative count, a string for a number)
+    raises ValueError naming the option; the server checks the ranges of the rest."""
     request = pb.GenerateRequest(request_id=request_id)
     if isinstance(prompt, str):
         request.text = prompt
     else:
-        request.token_ids.ids.extend(prompt)
+        _put("prompt", prompt, request.token_ids.ids.extend)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty, "seed": seed}
     for name, value in sampling.items():
         if value is not None:
-            setattr(request.sampling, name, value)
+            _put(name, value, functools.partial(setattr, request.sampling, name))
     if max_tokens is not None:
-        request.stopping.max_tokens = max_tokens
-    request.stopping.stop.extend(stop)
-    request.stopping.stop_token_ids.extend(stop_token_ids)
-    request.stopping.ignore_eos = ignore_eos
+        _put("max_tokens", max_tokens, functools.partial(setattr, request.stopping, "max_tokens"))
+    _put("stop", [stop] if isinstance(stop, str) else stop, request.stopping.stop.extend)
+    _put("stop_token_ids", stop_token_ids, request.stopping.stop_token_ids.extend)
+    _put("ignore_eos", ignore_eos, functools.partial(setattr, request.stopping, "ignore_eos"))
     if logprobs is not None:
-        request.logprobs = logprobs
+        _put("logprobs", logprobs, functools.partial(setattr, request, "logprobs"))
     if speculative is not None:
-        request.speculative = speculative
+        _put("speculative", speculative, functools.partial(setattr, request, "speculative"))
     return request
+
+
+def _put(option: str, value: object, put: Callable[[object], None]) -> None:
+    """put(value), protobuf's type and range errors raised as a ValueError that names the option."""
+    try:
+        put(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{option}={reprlib.repr(value)}: {err}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from server_harness import API_KEY, wait_idle
 
 from encore.server.client import AsyncClient, Client, build_request
@@ -16,6 +17,26 @@ def test_build_request_leaves_unset_options_unset():
     assert request.HasField("logprobs") and request.logprobs == 0
     assert list(request.stopping.stop) == ["\n"] and request.stopping.max_tokens == 5
     assert list(build_request([1, 2]).token_ids.ids) == [1, 2] and not build_request([1]).HasField("logprobs")
+
+
+def test_build_request_takes_one_stop_string():
+    assert list(build_request("hi", stop="\n\n").stopping.stop) == ["\n\n"]
+
+
+@pytest.mark.parametrize("prompt, options, message", [
+    ("hi", dict(max_tokens=-3), "max_tokens=-3: "),
+    ("hi", dict(max_tokens=1.5), "max_tokens=1.5: "),
+    ("hi", dict(top_k="40"), "top_k='40': "),
+    ("hi", dict(temperature="hot"), "temperature='hot': "),
+    ("hi", dict(seed=2 ** 64), "seed=18446744073709551616: "),
+    ("hi", dict(stop=["a", 3]), r"stop=\['a', 3\]: "),
+    ("hi", dict(stop_token_ids=[1, -2]), r"stop_token_ids=\[1, -2\]: "),
+    ("hi", dict(logprobs=-1), "logprobs=-1: "),
+    ([5, -1], {}, r"prompt=\[5, -1\]: "),
+])
+def test_build_request_names_a_value_the_message_cannot_hold(prompt, options, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        build_request(prompt, **options)
 
 
 def test_sync_and_async_clients_agree(server, client):
