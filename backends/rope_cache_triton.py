@@ -24,9 +24,11 @@ def _rope_cache_write_kernel(
     q_stride_t, q_stride_h, kv_c_stride_t, k_pe_stride_t, cos_sin_stride, cache_stride_slot,
     q_out_stride_t, q_out_stride_h, num_heads,
     RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, RELEASE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
-    if RELEASE:  # a programmatic dependent after it (the absorbed query's GEMV) starts its weight read now
+    if PDL:  # launched as a programmatic dependent: it waits for the kernel before it before reading anything,
+        # and a programmatic dependent after it (the absorbed query's GEMV) starts its weight read now
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -87,11 +89,12 @@ def rope_cache_write_triton(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: t
     q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype, device=q_pe.device)
     if num_tokens == 0:
         return q_out
+    pdl = pdl_supported(q_pe.device)
     _rope_cache_write_kernel[(num_tokens,)](
         positions, slot_mapping, q_pe, kv_c, k_pe, cos_sin, cache, q_out,
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cos_sin.stride(0), cache.shape[-1],
         q_out.stride(0), q_out.stride(1), num_heads,
         RANK=rank, HALF=half, BLOCK_RANK=triton.next_power_of_2(rank), BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, RELEASE=pdl_supported(q_pe.device),
+        INTERLEAVED=interleaved, PDL=pdl, launch_pdl=pdl,
     )
     return q_out

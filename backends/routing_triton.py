@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.pdl import pdl_supported
 from encore.backends.triton_mla import _check
 
 # Tokens per program: enough rows to fill a few warps at small E, fewer at E = 256 (registers).
@@ -30,7 +31,9 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, num_tokens, scaling,
                    E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, NOAUX_TC: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr):
+                   NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: the router's logits are read after their kernel finished
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -119,6 +122,7 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
         block_t, warps = 1, 1
     else:
         block_t, warps = min(_MAX_BLOCK_T, max(1, _ELEMENTS_PER_PROGRAM // block_e)), 4
+    pdl = pdl_supported(router_logits.device)
     if tokens:
         _select_kernel[(triton.cdiv(tokens, block_t),)](
             router_logits, bias if bias is not None else router_logits, weights, ids, tokens,
@@ -127,5 +131,5 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
             HAS_BIAS=bias is not None, N_GROUP=n_group if grouped else 1,
             BLOCK_G=max(2, triton.next_power_of_2(n_group)), TOPK_GROUP=topk_group,
             NOAUX_TC=topk_method == "noaux_tc", RENORMALIZE=bool(norm_topk_prob), NUM_SHARED=num_shared,
-            BLOCK_T=block_t, num_warps=warps)
+            BLOCK_T=block_t, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return weights, ids
