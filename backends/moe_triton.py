@@ -14,7 +14,10 @@ One token (decode at batch size 1) skips the alignment: a token's experts are di
 nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves. It has
 no sum launch either: each down program counts its arrival on its column block (an atomic counter the
 gate_up kernel zeroed), and the block's last program sums the k pairs' values, so a decode step's MoE
-is two launches.
+is two launches. On sm90+ both launch as programmatic dependents that wait before they read or write
+anything: gate_up while the routing selection runs (which releases it at its start), down as
+gate_up's weight reads end (session 23 had each kernel release the next at its start, and the step
+got slower; benchmarks/README.md, "Session 30").
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
@@ -38,6 +41,7 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.pdl import pdl_supported
 from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -274,9 +278,11 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
 @triton.jit
 def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOWN_BLOCKS: tl.constexpr,
-                              BLOCK_DOWN: tl.constexpr):
+                              BLOCK_DOWN: tl.constexpr, PDL: tl.constexpr):
     # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
     # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
+    if PDL:  # launched as a programmatic dependent: nothing is read or written before the selection finished
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters, one per column block
         blocks = tl.arange(0, BLOCK_DOWN)
@@ -297,6 +303,8 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
         w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=w_ok, other=0.0)
         acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads end
+        tl.extra.cuda.gdc_launch_dependents()
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
     tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
 
@@ -305,7 +313,9 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
 @triton.jit
 def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: tl.constexpr, I: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                           PAIRS: tl.constexpr):
+                           PAIRS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: nothing is read or written before gate_up finished
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     block = tl.program_id(1)
     row = tl.arange(0, 16)[:, None]  # the token in row 0, as in the gate_up kernel
@@ -341,14 +351,15 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     down_blocks = triton.cdiv(hidden, config.down_n)
     arrived = torch.empty(down_blocks, dtype=torch.int32, device=x.device)  # zeroed by the gate_up kernel
     intermediate = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [k, I]
+    pdl = pdl_supported(x.device)
     _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
         x, w13, ids, intermediate, arrived, H=hidden, I=inter, BLOCK_N=config.gate_n, DOWN_BLOCKS=down_blocks,
-        BLOCK_DOWN=triton.next_power_of_2(down_blocks), **launch)
+        BLOCK_DOWN=triton.next_power_of_2(down_blocks), PDL=pdl, launch_pdl=pdl, **launch)
     per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [k, H], weighted
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     _one_token_down_kernel[(pairs, down_blocks)](
         intermediate, w2, ids, weights, per_pair, arrived, out, H=hidden, I=inter, BLOCK_N=config.down_n,
-        PAIRS=pairs, **launch)
+        PAIRS=pairs, PDL=pdl, launch_pdl=pdl, **launch)
     return out
 
 

@@ -32,8 +32,10 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, num_tokens, scaling,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, NOAUX_TC: tl.constexpr, RENORMALIZE: tl.constexpr,
                    NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent: the router's logits are read after their kernel finished
+    if PDL:  # launched as a programmatic dependent: the router's logits are read after their kernel finished,
+        # and the experts' kernel after it (a programmatic dependent too) launches now
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
