@@ -33,7 +33,7 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, num_tokens, scaling,
                    TOPK_GROUP: tl.constexpr, NOAUX_TC: tl.constexpr, RENORMALIZE: tl.constexpr,
                    NUM_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: the router's logits are read after their kernel finished,
-        # and the experts' kernel after it (a programmatic dependent too) launches now
+        # and a programmatic dependent after it (one token's gate_up kernel) launches now
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -11,9 +11,9 @@ abort the request (the server frees its pages). A ``timeout`` becomes the call's
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import reprlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -40,29 +40,31 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
     if isinstance(prompt, str):
         request.text = prompt
     else:
-        _put("prompt", prompt, request.token_ids.ids.extend)
+        with _naming("prompt", prompt):
+            request.token_ids.ids.extend(prompt)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty, "seed": seed}
-    for name, value in sampling.items():
-        if value is not None:
-            _put(name, value, functools.partial(setattr, request.sampling, name))
-    if max_tokens is not None:
-        _put("max_tokens", max_tokens, functools.partial(setattr, request.stopping, "max_tokens"))
-    _put("stop", [stop] if isinstance(stop, str) else stop, request.stopping.stop.extend)
-    _put("stop_token_ids", stop_token_ids, request.stopping.stop_token_ids.extend)
-    _put("ignore_eos", ignore_eos, functools.partial(setattr, request.stopping, "ignore_eos"))
-    if logprobs is not None:
-        _put("logprobs", logprobs, functools.partial(setattr, request, "logprobs"))
-    if speculative is not None:
-        _put("speculative", speculative, functools.partial(setattr, request, "speculative"))
+    stopping = {"max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    top = {"logprobs": logprobs, "speculative": speculative}
+    for message, options in ((request.sampling, sampling), (request.stopping, stopping), (request, top)):
+        for name, value in options.items():
+            if value is not None:
+                with _naming(name, value):
+                    setattr(message, name, value)
+    stop = [stop] if isinstance(stop, str) else stop
+    with _naming("stop", stop):
+        request.stopping.stop.extend(stop)
+    with _naming("stop_token_ids", stop_token_ids):
+        request.stopping.stop_token_ids.extend(stop_token_ids)
     return request
 
 
-def _put(option: str, value: object, put: Callable[[object], None]) -> None:
-    """put(value), protobuf's type and range errors raised as a ValueError that names the option."""
+@contextlib.contextmanager
+def _naming(option: str, value: object) -> Iterator[None]:
+    """Protobuf's type and range errors inside, raised as a ValueError that names the option."""
     try:
-        put(value)
+        yield
     except (TypeError, ValueError) as err:
         raise ValueError(f"{option}={reprlib.repr(value)}: {err}") from None
 
