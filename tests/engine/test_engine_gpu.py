@@ -38,9 +38,11 @@ def test_a_cuda_engine_allocates_in_expandable_segments(v3_dir, monkeypatch):
     expandable segment (with fixed segments, V2-Lite's shape ran out of memory on an H100)."""
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
-    torch.cuda.empty_cache()  # fixed segments cached by earlier tests of this process would serve the block
     Engine(str(v3_dir), device="cuda", dtype="bfloat16", page_size=16, compile=False, cuda_graphs=False)
-    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    # Larger than any fixed segment that earlier tests of this process left (a free block in one would
+    # serve it, and an allocator setting does not change segments that exist): only a new segment holds it.
+    fixed = [s["total_size"] for s in torch.cuda.memory_snapshot() if not s["is_expandable"]]
+    block = torch.empty(max([64 << 20, *fixed]) + (2 << 20), dtype=torch.uint8, device="cuda")
     segment, = (s for s in torch.cuda.memory_snapshot()
                 if s["address"] <= block.data_ptr() < s["address"] + s["total_size"])
     assert segment["is_expandable"], segment
