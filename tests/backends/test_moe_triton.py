@@ -198,6 +198,7 @@ ROUTINGS = {
     "v2": (6, "softmax", "group_limited_greedy", 8, 3, False, 16.0, 160, False),
     "v2-renorm": (6, "softmax", "greedy", 1, 1, True, 1.0, 64, False),
     "v3": (8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, 256, True),
+    "kimi-k2": (8, "sigmoid", "noaux_tc", 1, 1, True, 2.827, 384, True),
     "encore-tiny": (2, "sigmoid", "noaux_tc", 4, 2, True, 2.5, 16, True),
     "sigmoid-plain": (3, "sigmoid", "greedy", 1, 1, False, 1.5, 24, True),
 }
