@@ -1,23 +1,30 @@
-"""``encore::dense``: a dense projection x · wᵀ that a one-token step runs through a GEMV; and MLA's
-absorbed per-head projections, which attention backends run through the batched GEMV by the same rule.
+"""``encore::dense``: a dense projection x · wᵀ that a step of a few tokens runs through a GEMV; and
+MLA's absorbed per-head projections, which attention backends run through the batched GEMV by a
+like rule.
 
 The small-M GEMV pass (passes/small_m_gemv.py) puts this op in place of a DECODE graph's weight
-GEMMs that the GEMV runs faster (``use_gemv``). A step of ``GEMV_TOKENS`` token on CUDA then runs
-the Triton GEMV (gemv_triton.py: the weight read overlaps the kernel before it); a larger step, and
-the CPU, run ``torch.mm`` as before (past one token cuBLAS is the faster one).
+GEMMs that the GEMV runs faster (``use_gemv``). A step whose token count and weight pass
+``runs_gemv`` then runs the Triton GEMV on CUDA (gemv_triton.py: the weight read overlaps the kernel
+before it); other steps, and the CPU, run ``torch.mm`` as before.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Where the GEMV runs instead of cuBLAS (bench_small_m.py): one token, weights of at most 2^24 elements.
-# At one token it took 0.27-0.97x cuBLAS's time for DeepSeek's projections and routers up to V3's
-# q_a/kv_a (15M elements) on an H200, 0.26-0.95x on an H100; past that the devices disagree (H200:
-# 1.01x V3's q_b, 1.06x V2-Lite's LM head, 1.20x V3's o_proj). From two tokens cuBLAS wins the large
-# shapes (up to 2.5x at four).
-GEMV_TOKENS = 1
+# Where the GEMV runs instead of cuBLAS (bench_small_m.py): one token and weights of at most 2^24
+# elements, or 2-4 tokens and at most 2^23 elements of weight times tokens. At one token it took
+# 0.27-0.97x cuBLAS's time for DeepSeek's projections and routers up to V3's q_a/kv_a (15M elements) on
+# an H200, 0.26-0.95x on an H100; past that the devices disagree (H200: 1.01x V3's q_b, 1.06x V2-Lite's
+# LM head, 1.20x V3's o_proj). Each token past the first costs it a pass over its weight registers, so
+# the weight it wins on shrinks with the tokens (H200, session 31, µs against cuBLAS's): V2-Lite's
+# o_proj (4.2M) 3.8 against 6.0 at two tokens, its q/kv_a (7.5M) 7.3 against 6.7 at two, the router
+# 2.9 against 4.7 at four. The absorbed per-head products (2^20 elements on V2-Lite) win at two tokens
+# (1.8 and 2.3 against 3.2 and 3.7) and not at four for W_UV (4.9 against 3.6): BATCHED_GEMV_TOKENS.
+GEMV_TOKENS = 4
 GEMV_MAX_WEIGHT = 1 << 24
+GEMV_MAX_WEIGHT_TOKENS = 1 << 23
+BATCHED_GEMV_TOKENS = 2
 GEMV_MAX_K = 16384  # the whole reduction in one register tile of at most this many elements
 
 
@@ -35,14 +42,21 @@ def gemv_layout(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a one-token x · wᵀ runs on the GEMV: a layout it takes and a weight of at most
-    GEMV_MAX_WEIGHT elements."""
+    """Whether x · wᵀ can run on the GEMV at one token: a layout it takes and a weight of at most
+    GEMV_MAX_WEIGHT elements (``gemv_pays`` then rules by the tokens)."""
     return gemv_layout(x, w) and w.numel() <= GEMV_MAX_WEIGHT
 
 
+def gemv_pays(tokens: int, weight_elements: int, max_tokens: int = GEMV_TOKENS) -> bool:
+    """Whether the GEMV beats cuBLAS at this many tokens (1..``max_tokens``) and weight elements."""
+    if tokens == 1:
+        return weight_elements <= GEMV_MAX_WEIGHT
+    return 1 < tokens <= max_tokens and tokens * weight_elements <= GEMV_MAX_WEIGHT_TOKENS
+
+
 def runs_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this x · wᵀ runs on the GEMV: ``use_gemv``, at GEMV_TOKENS tokens or fewer."""
-    return x.shape[0] <= GEMV_TOKENS and use_gemv(x, w)
+    """Whether this x · wᵀ runs on the GEMV: ``use_gemv`` and ``gemv_pays``."""
+    return use_gemv(x, w) and gemv_pays(x.shape[0], w.numel())
 
 
 @dense.register_kernel("cuda")
@@ -60,8 +74,9 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def runs_batched_gemv(tokens: int, w: torch.Tensor) -> bool:
-    """``runs_gemv``'s rule for per-head weights [H, ·, ·] (all heads' elements counted)."""
-    return tokens <= GEMV_TOKENS and w.numel() <= GEMV_MAX_WEIGHT
+    """``gemv_pays`` for per-head weights [H, ·, ·] (all heads' elements counted), up to
+    BATCHED_GEMV_TOKENS tokens."""
+    return gemv_pays(tokens, w.numel(), BATCHED_GEMV_TOKENS)
 
 
 def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:

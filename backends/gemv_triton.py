@@ -9,7 +9,11 @@ Each program here owns BLOCK_N weight rows over all of K, loads them into regist
 then waits for the kernel before it (programmatic dependent launch, sm90+: the kernel is launched
 with ``launch_pdl`` and calls ``gdc_wait`` before its first read of anything a kernel wrote): the
 weight read of a step's next projection overlaps the tail of the kernel it depends on. Then each of
-the M token rows is multiplied against the registers (float32 sums) and stored. Every program waits
+the M token rows is multiplied against the registers (float32 sums) and stored, in a loop unrolled over
+BLOCK_M = M rounded up to 1, 2 or 4 (rows past M masked), so that every row's load of x is issued at
+once: a loop over M itself read them one after another, and took 0.1-0.2 µs longer a call at one
+token on four of V2-Lite's five shapes (0.1 µs less on W_UK) and 0.1-1.4 µs longer at two (H200,
+session 31; benchmarks/README.md). Every program waits
 before it reads x or stores: nothing written by an earlier kernel is read early, and nothing an
 earlier kernel still reads is overwritten. ``gdc_launch_dependents`` right after the weight load lets
 the next PDL kernel (another of these) launch and start its own weight read.
@@ -32,6 +36,7 @@ from encore.backends.dense import GEMV_MAX_K, gemv_layout
 from encore.backends.pdl import pdl_supported
 
 MAX_TOKENS = 4  # rows of x a call takes (each is multiplied against the weight registers in turn)
+BLOCK_MS = (1, 2, 4)  # the kernel's row counts (BLOCK_M): M rounded up to a power of two
 _MAX_BLOCK_N = 8  # weight rows a program holds when K is contiguous (whole rows of 16-byte vectors)
 _MAX_BLOCK_N_COLUMNS = 64  # when N is contiguous: 128 bytes of each of the K rows a program reads
 
@@ -53,7 +58,7 @@ def preload_then_wait(ptrs, mask, PDL: tl.constexpr):
                                "stride_og"])
 def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stride_w, stride_om, stride_og,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CONTIGUOUS: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Program (i, g): rows i·BLOCK_N.. of group g's weight W[g] [N, K]; stride_w is its non-unit stride.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -67,13 +72,15 @@ def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stri
     else:  # [BLOCK_K, BLOCK_N]
         w = preload_then_wait(w_group + cols[:, None] * stride_w + rows[None, :], col_ok[:, None] & row_ok[None, :],
                               PDL)
-    for m in range(num_tokens):
-        x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tokens = tl.full([1], num_tokens, tl.int32)  # a tensor: the row masks below are tensors (the interpreter's too)
+    for m in tl.static_range(BLOCK_M):
+        m_ok = m < tokens
+        x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok & m_ok, other=0.0).to(tl.float32)
         if K_CONTIGUOUS:
             acc = tl.sum(w * x[None, :], axis=1)
         else:
             acc = tl.sum(w * x[:, None], axis=0)
-        tl.store(OUT + m * stride_om + g * stride_og + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
+        tl.store(OUT + m * stride_om + g * stride_og + rows, acc.to(OUT.dtype.element_ty), mask=row_ok & m_ok)
 
 
 def tile(k: int, n: int, k_contiguous: bool = True) -> tuple[int, int]:
@@ -123,16 +130,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool) -> N
     pdl = pdl and pdl_supported(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
         x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
-        out.stride(0), out.stride(1), K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous, PDL=pdl,
-        num_warps=4, launch_pdl=pdl)
+        out.stride(0), out.stride(1), K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous,
+        BLOCK_M=triton.next_power_of_2(num_tokens), PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:
-    """Compiles the kernel for each reduction length, with x's dtype and with float32 out (the router)."""
+    """Compiles the kernel for each reduction length and BLOCK_M, with x's dtype and with float32 out
+    (the router)."""
     for k in sorted(reduction_lengths):
         if k > GEMV_MAX_K:
             continue
-        x = torch.zeros(1, k, dtype=dtype, device=device)
         w = torch.zeros(1, k, dtype=dtype, device=device)
-        for out_dtype in {dtype, torch.float32}:
-            gemv(x, w, out_dtype)
+        for tokens in BLOCK_MS:
+            x = torch.zeros(tokens, k, dtype=dtype, device=device)
+            for out_dtype in {dtype, torch.float32}:
+                gemv(x, w, out_dtype)

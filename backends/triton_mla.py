@@ -399,7 +399,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         return out
 
     direct = num_kv_splits == 1
-    merge_values = w_vc is not None and not direct and runs_batched_gemv(tokens, w_vc)
+    merge_values = w_vc is not None and not direct and tokens == 1 and runs_batched_gemv(tokens, w_vc)
     # The latent output: out itself, or a temporary in q_lat's layout (merge_values: none is written)
     latent = out if w_vc is None or merge_values else torch.empty_like(q_lat)
     if direct:  # the split kernel writes the latent output itself; the workspace arguments are never read

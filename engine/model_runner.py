@@ -221,7 +221,8 @@ class ModelRunner:
         count), the prefill kernel (one), and per decode q_len the split-KV decode with one split (many
         rows, short tables) and with several (one row, the widest table), the decode launch
         settings the backend picks by shape (``AttentionBackend.warm_up_decode``), and the small-M GEMV
-        (``encore::dense``, the router) per reduction length of the weights it runs. Each step runs on
+        (``encore::dense``, the router, the absorbed per-head products) per row count (decode steps of
+        each of its BLOCK_MS tokens) and per reduction length of the weights it runs. Each step runs on
         the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
@@ -242,6 +243,9 @@ class ModelRunner:
             if q <= config.max_num_batched_tokens:
                 steps.append(([], 1, q, self.max_pages_per_row))
                 steps.append(([], min(config.max_num_seqs, config.max_num_batched_tokens // q), q, -(-q // page)))
+        for rows in gemv_triton.BLOCK_MS[1:]:
+            if rows <= min(config.max_num_seqs, config.max_num_batched_tokens):
+                steps.append(([], rows, 1, 1))
         for extend_lens, decodes, q_len, width in steps:
             self._forward_eager(scratch_batch(extend_lens, decodes, q_len, width, page, self.device))
         for q in sorted(q_lens):

@@ -1,5 +1,5 @@
-"""Small-M GEMV: a DECODE graph's weight GEMMs become ``encore::dense``, which runs a one-token step
-through a Triton GEMV (backends/dense.py)."""
+"""Small-M GEMV: a DECODE graph's weight GEMMs become ``encore::dense``, which runs a step of a few
+tokens through a Triton GEMV (backends/dense.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ class SmallMGemv:
 
     T stays symbolic: ``dense`` picks the GEMV or ``torch.mm`` by the step's T when it runs, so one
     graph still serves every key of the family. Only in DECODE graphs, whose T is the batch times the
-    decode q_len (the GEMV runs at bs-1 decode); MIXED and EXTEND steps carry prompt tokens, where it
-    never runs. The attention's absorbed per-head products are inside its ops and stay as they are.
+    decode q_len (the GEMV runs at up to ``dense.GEMV_TOKENS`` of them); MIXED and EXTEND steps carry
+    prompt tokens, where it never runs. The attention's absorbed per-head products are inside its ops
+    and stay as they are.
     """
 
     def __init__(self) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
-from encore.backends.dense import GEMV_MAX_K, GEMV_TOKENS, absorb_query, dense, project_values
+from encore.backends.dense import (
+    GEMV_MAX_K, absorb_query, dense, gemv_pays, project_values, runs_batched_gemv, runs_gemv)
 from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,7 +97,7 @@ SHAPES = [(3648, 2048), (2048, 2048), (64, 2048), (2112, 7168), (7168, 16384), (
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
 def test_bf16_real_shapes_gpu(n, k, tokens):
     x, w = operands(tokens, n, k, torch.bfloat16, seed=n + tokens)
     ref = x.float() @ w.float().t()
@@ -133,13 +134,27 @@ def test_chain_in_a_cuda_graph_gpu():
     assert rel_err(out, ref) < 3e-2
 
 
+# V2-Lite's weights (elements) and the token counts the GEMV takes them at (H200 and H100 timings,
+# dense.py): past one token the GEMV's cost grows with tokens times weight.
+V2_LITE_GEMV_TOKENS = {"q/kv_a": (3648 * 2048, [1]), "o_proj": (2048 * 2048, [1, 2]),
+                       "router": (64 * 2048, [1, 2, 3, 4]), "lm_head": (102400 * 2048, [])}
+
+
+def test_gemv_rule_by_tokens_and_weight():
+    for name, (elements, gemv_tokens) in V2_LITE_GEMV_TOKENS.items():
+        assert [t for t in range(0, 7) if gemv_pays(t, elements)] == gemv_tokens, name
+    w_uv = 16 * 128 * 512  # the absorbed per-head products: at most two tokens
+    assert [t for t in range(0, 7) if runs_batched_gemv(t, torch.empty(w_uv, device="meta"))] == [1, 2]
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_dense_op_dispatch_by_tokens_gpu():
-    """``encore::dense``: the GEMV at GEMV_TOKENS tokens, cuBLAS past it (bit for bit each)."""
-    for tokens in range(1, GEMV_TOKENS + 3):
-        x, w = operands(tokens, 3648, 2048, torch.bfloat16, seed=tokens)
-        want = gemv(x, w) if tokens <= GEMV_TOKENS else torch.mm(x, w.t())
+@pytest.mark.parametrize("n", [3648, 2048, 64])
+def test_dense_op_dispatch_by_tokens_gpu(n):
+    """``encore::dense``: the GEMV where ``runs_gemv`` says, cuBLAS elsewhere (bit for bit each)."""
+    for tokens in range(1, 7):
+        x, w = operands(tokens, n, 2048, torch.bfloat16, seed=tokens)
+        want = gemv(x, w) if runs_gemv(x, w) else torch.mm(x, w.t())
         assert torch.equal(torch.ops.encore.dense(x, w), want), tokens
 
 
@@ -155,17 +170,17 @@ def absorbed_operands(tokens: int, heads: int, dn: int, dv: int, rank: int, dtyp
 
 
 @in_process
-@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
 def test_absorbed_projections_follow_the_gemv_rule(tokens):
-    """``dense.absorb_query`` / ``project_values``: at GEMV_TOKENS token the batched GEMV (the same
-    values as calling it), past it a batched GEMM (torch.bmm's); either against float32 einsum."""
+    """``dense.absorb_query`` / ``project_values``: under ``runs_batched_gemv`` the batched GEMV (the
+    same values as calling it), else a batched GEMM (torch.bmm's); either against float32 einsum."""
     q_nope, w_kc, w_vc, o_lat = absorbed_operands(tokens, 3, 24, 16, 40, torch.float32, seed=tokens)
     q_lat = absorb_query(q_nope, w_kc)
     assert rel_err(q_lat, torch.einsum("thd,hdr->thr", q_nope, w_kc)) < 1e-5
     out = torch.full((tokens, 3, 16), float("nan"), device=DEVICE)
     project_values(o_lat, w_vc, out)
     assert rel_err(out, torch.einsum("thr,hvr->thv", o_lat, w_vc)) < 1e-5
-    if tokens <= GEMV_TOKENS:
+    if runs_batched_gemv(tokens, w_vc):
         want_q = batched_gemv(q_nope, w_kc.transpose(1, 2), torch.empty(tokens, 3, 40, device=DEVICE))
         want_out = batched_gemv(o_lat, w_vc, torch.empty(tokens, 3, 16, device=DEVICE))
     else:
