@@ -57,8 +57,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     the last S = ``num_shared`` columns for shared experts fused into the routed ones
     (``with_shared_experts``): experts E..E + S - 1, each with weight 1. CPU: the reference; CUDA: a
     16-bit GEMM with float32 output (products of 16-bit values are exact in float32: only the
-    summation order differs from a float32 GEMM, and no cast of x or the weight is made; at
-    ``GEMV_TOKENS`` token the GEMV of ``gemv_triton``) and the selection in one Triton kernel
+    summation order differs from a float32 GEMM, and no cast of x or the weight is made; under
+    ``dense.runs_gemv`` the GEMV of ``gemv_triton``) and the selection in one Triton kernel
     (``routing_triton``)."""
     weights, ids = select_experts(F.linear(x.float(), weight.float()), bias, top_k, scoring_func, topk_method,
                                   n_group, topk_group, norm_topk_prob, routed_scaling_factor)

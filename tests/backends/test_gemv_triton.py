@@ -134,7 +134,7 @@ def test_chain_in_a_cuda_graph_gpu():
     assert rel_err(out, ref) < 3e-2
 
 
-# V2-Lite's weights (elements) and the token counts the GEMV takes them at (H200 and H100 timings,
+# V2-Lite's weights (elements) and the token counts the GEMV takes them at (H200 timings, session 31,
 # dense.py): past one token the GEMV's cost grows with tokens times weight.
 V2_LITE_GEMV_TOKENS = {"q/kv_a": (3648 * 2048, [1]), "o_proj": (2048 * 2048, [1, 2]),
                        "router": (64 * 2048, [1, 2, 3, 4]), "lm_head": (102400 * 2048, [])}
