@@ -351,9 +351,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     page_table [B, max_pages] int32, seq_lens [B] int32 (KV length after this step, the q_len new
     tokens included) -> out [B·q_len, H, R] (the latent output, before ·W_vc); with ``w_vc`` [H, dv, R]
     out [B·q_len, H, dv] is the values, the latent output · W_vcᵀ per head (``dense.project_values``).
-    Where that projection runs on the GEMV (one token) and the keys are split, the merge kernel does it:
-    its programs merge a head's splits and multiply the result against their rows of W_vc, one launch
-    for both (``_decode_merge_values_kernel``); elsewhere the latent output goes through a temporary.
+    At one token, where that projection runs on the GEMV and the keys are split, the merge kernel does
+    it: its programs merge a head's splits and multiply the result against their rows of W_vc, one
+    launch for both (``_decode_merge_values_kernel``); elsewhere the latent output goes through a
+    temporary and ``dense.project_values`` (the batched GEMV up to ``dense.BATCHED_GEMV_TOKENS``).
     Query i of row b sits at position seq_lens[b] - q_len + i and sees keys 0..that position; the
     caller guarantees seq_lens[b] <= max_pages·page_size. ``config`` and ``num_kv_splits`` None: chosen
     from the SM count and the page table's capacity (``decode_launch``, or ``choose_num_kv_splits`` for
