@@ -23,7 +23,10 @@ Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM;
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
 blocks number at most (T·k + m·(BM - 1)) // BM: both buffers have that static size and no host
 reads the counts, so the four launches can be captured in a CUDA graph. Blocks past the real count
-have block_expert -1 and their programs return at once (the grid is the bound, not the count).
+have block_expert -1 and their programs return at once (the grid is the bound, not the count). On
+sm90+ the four launch as programmatic dependents that wait before they read or write anything, as
+one token's do: align releases gate_up at its start, gate_up and down release the next kernel as
+their weight reads end, and the sum releases the kernel after it at its start.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
 the k pairs runs in a fixed order (the one-token arrival counter only picks which program sums, not
@@ -142,9 +145,13 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"], do_not_specialize_on_alignment=["IDS"])
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     # One program per expert: each counts every expert's pairs (the counts place its slots) and then
     # writes only its own slots and blocks, so the programs' stores are disjoint.
+    if PDL:  # a programmatic dependent: nothing is read or written before the selection finished; the
+        # gate_up kernel (one too) launches now and waits for this one
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     me = tl.program_id(0)
     expert = tl.arange(0, BLOCK_E)  # [E]
     chunk = tl.arange(0, CHUNK)
@@ -197,8 +204,9 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
         return sorted_pairs, block_expert
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, _ALIGN_TILE // block_e))
+    pdl = pdl_supported(ids.device)
     _align_kernel[(num_experts,)](ids, sorted_pairs, block_expert, num_pairs, blocks, BLOCK_M=block_m,
-                                  BLOCK_E=block_e, CHUNK=chunk, num_warps=_ALIGN_WARPS)
+                                  BLOCK_E=block_e, CHUNK=chunk, PDL=pdl, num_warps=_ALIGN_WARPS, launch_pdl=pdl)
     return sorted_pairs, block_expert
 
 
@@ -206,9 +214,11 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
                     TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     # Axis 0 (fastest in launch order) is the block: the blocks of one expert, which read the same
     # weight tile, run together and all but the first find it in L2.
+    if PDL:  # a programmatic dependent: nothing is read or written before the alignment finished
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + block)
     if expert < 0:  # past the used blocks
@@ -231,6 +241,8 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
         w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if PDL:  # the down kernel (a programmatic dependent) launches as the last programs' weight reads end
+        tl.extra.cuda.gdc_launch_dependents()
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [M, N] SiLU(gate)·up; padding rows are 0
     tl.store(INTER + slot[:, None].to(tl.int64) * I + n[None, :], h.to(INTER.dtype.element_ty),
              mask=n_ok[None, :])
@@ -240,7 +252,9 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent: nothing is read or written before gate_up finished
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + block)
     if expert < 0:
@@ -258,6 +272,8 @@ def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
         a = tl.load(INTER + slot[:, None].to(tl.int64) * I + k[None, :], mask=k_ok[None, :], other=0.0)  # [M, K]
         w_down = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
         acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
+    if PDL:  # the pair sum (a programmatic dependent) launches as the last programs' weight reads end
+        tl.extra.cuda.gdc_launch_dependents()
     route = tl.load(WEIGHTS + pair, mask=row_ok, other=0.0)  # [M] routing weight of each pair
     tl.store(PER_PAIR + pair[:, None].to(tl.int64) * H + n[None, :], acc * route[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
@@ -265,7 +281,12 @@ def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
 
 @kernel_variants.watched
 @triton.jit
-def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent: nothing is read or written before down finished; the kernel after
+        # (a programmatic dependent too where Inductor made it) launches now
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], tl.float32)
@@ -367,8 +388,9 @@ def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.T
     """out [T, H] = per_pair [T·k, H] summed over each token's k pairs, in order."""
     tokens, hidden = out.shape
     block_h = min(1024, triton.next_power_of_2(hidden))
+    pdl = pdl_supported(out.device)
     _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, out.stride(0), TOP_K=top_k, H=hidden,
-                                                               BLOCK_H=block_h, num_warps=4)
+                                                               BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -404,8 +426,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     blocks = block_expert.shape[0]
     num_pairs = ids.numel()
     precision = _dot_precision(x.dtype)
+    pdl = pdl_supported(x.device)
     launch = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
 
     intermediate = torch.empty(sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)  # [slots, I]
     _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
