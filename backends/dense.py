@@ -80,15 +80,16 @@ def runs_batched_gemv(tokens: int, w: torch.Tensor) -> bool:
 
 
 def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
-    """MLA's latent queries: q_nope [T, H, dn] · W_kc [H, dn, R] per head -> [T, H, R] in q_nope's dtype.
-    Under the GEMV rule, the batched GEMV into a contiguous result; else a batched GEMM written
-    head-major (a [T, H, R] view of [H, T, R]: no transposing copy on either side)."""
+    """MLA's latent queries: q_nope [T, H, dn] · W_kc [H, dn, R] per head -> [T, H, R] in q_nope's dtype,
+    contiguous (flashinfer's MLA takes no other layout): the batched GEMV under its rule, else a batched
+    GEMM writing each head's rows in place through a [H, T, R] view (as ``project_values`` does)."""
     w_kc = w_kc.to(q_nope.dtype)
+    q_lat = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])
     if not runs_batched_gemv(q_nope.shape[0], w_kc):
-        return torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+        torch.bmm(q_nope.transpose(0, 1), w_kc, out=q_lat.transpose(0, 1))
+        return q_lat
     from encore.backends.gemv_triton import batched_gemv  # triton is imported on first use
 
-    q_lat = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])
     return batched_gemv(q_nope, w_kc.transpose(1, 2), q_lat)
 
 

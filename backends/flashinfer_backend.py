@@ -256,7 +256,7 @@ class _MLAPlan:
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
             cache: torch.Tensor, out: torch.Tensor) -> None:
         """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> out [T, H, dv]."""
-        q_lat = absorb_query(q_nope, w_kc).contiguous()  # [T, H, R]
+        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R], contiguous
         o_lat = self.wrapper.run(query=(q_lat, q_pe.contiguous()), kv_cache=cache)  # [T, H, R]
         project_values(o_lat, w_vc, out)
 

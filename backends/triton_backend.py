@@ -87,6 +87,6 @@ class TritonAttentionBackend(AttentionBackend):
                   cache: torch.Tensor, out: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor,
                   q_len: int) -> None:
         """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
-        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]; the kernel takes either layout by its strides
+        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]
         mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, out,
                    w_vc=w_vc.to(q_lat.dtype))

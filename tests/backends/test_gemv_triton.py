@@ -176,6 +176,7 @@ def test_absorbed_projections_follow_the_gemv_rule(tokens):
     same values as calling it), else a batched GEMM (torch.bmm's); either against float32 einsum."""
     q_nope, w_kc, w_vc, o_lat = absorbed_operands(tokens, 3, 24, 16, 40, torch.float32, seed=tokens)
     q_lat = absorb_query(q_nope, w_kc)
+    assert q_lat.is_contiguous()  # flashinfer's MLA takes no other layout
     assert rel_err(q_lat, torch.einsum("thd,hdr->thr", q_nope, w_kc)) < 1e-5
     out = torch.full((tokens, 3, 16), float("nan"), device=DEVICE)
     project_values(o_lat, w_vc, out)
