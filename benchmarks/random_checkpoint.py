@@ -8,7 +8,7 @@ per expert in the checkpoint), at V2-Lite's widths: hidden 2048, 16 heads, no qu
 (V2-Lite has 27) and encore-tiny's tokenizer and vocabulary (8192), so text prompts work. No MTP layer.
 Weights N(0, 0.02) in bf16 from a seeded generator, norms 1, router biases 0 (float32), one shard a layer.
 
-    python benchmarks/random_checkpoint.py OUT_DIR [--layers 6]
+    python benchmarks/random_checkpoint.py OUT_DIR [--layers 6] [--device cpu]
 """
 
 from __future__ import annotations
@@ -41,21 +41,24 @@ def config(layers: int) -> dict:
 
 
 def random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """On the host, drawn on ``gen``'s device."""
     if name.endswith("e_score_correction_bias"):
         return torch.zeros(shape, dtype=torch.float32)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    return (torch.randn(shape, generator=gen, device=gen.device) * 0.02).to(torch.bfloat16).cpu()
 
 
-def write(out: Path, layers: int, seed: int = 0) -> None:
+def write(out: Path, layers: int, seed: int = 0, device: str = "cpu") -> None:
+    """``device``: where the weights are drawn ("cuda" takes seconds for V2-Lite's 27 layers, where one
+    CPU thread takes minutes); a seed gives other weights on another device."""
     cfg = config(layers)
     hf_config = DeepseekV3Config(**{k: v for k, v in cfg.items()
                                     if k not in ("architectures", "transformers_version", "torch_dtype", "dtype")})
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in DeepseekV3ForCausalLM(hf_config).state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
         parts = name.split(".")
@@ -81,8 +84,9 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: much faster)")
     args = ap.parse_args()
-    write(args.out, args.layers, args.seed)
+    write(args.out, args.layers, args.seed, args.device)
 
 
 if __name__ == "__main__":
