@@ -26,7 +26,7 @@ reads the counts, so the four launches can be captured in a CUDA graph. Blocks p
 have block_expert -1 and their programs return at once (the grid is the bound, not the count). On
 sm90+ the four launch as programmatic dependents that wait before they read or write anything, as
 one token's do: align releases gate_up at its start, gate_up and down release the next kernel as
-their weight reads end, and the sum releases the kernel after it at its start.
+their weight reads end, and the sum releases the kernel after it once it has read its pairs.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
 the k pairs runs in a fixed order (the one-token arrival counter only picks which program sums, not
@@ -283,15 +283,17 @@ def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
 @triton.jit
 def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
                       PDL: tl.constexpr):
-    if PDL:  # a programmatic dependent: nothing is read or written before down finished; the kernel after
-        # (a programmatic dependent too where Inductor made it) launches now
+    if PDL:  # a programmatic dependent: nothing is read or written before down finished
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):  # a fixed order: the same sum on every run
         acc += tl.load(PER_PAIR + (token * TOP_K + j) * H + h, mask=h < H, other=0.0)
+    if PDL:  # the kernel after launches once per_pair is read: fused_moe frees it on return, and the next
+        # kernel (Inductor's) may write its memory without waiting, where it neither reads nor writes
+        # what this op touched (compiler.inductor_patches)
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(OUT + token * stride_ot + h, acc.to(OUT.dtype.element_ty), mask=h < H)
 
 

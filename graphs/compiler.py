@@ -150,10 +150,14 @@ class EncoreBackend:
 
 def inductor_patches(example_inputs: list, compile_threads: int | None) -> dict:
     """Inductor settings for one family's compile: its compile threads, and on sm90+ (Hopper) its
-    kernels launched as programmatic dependents, each waiting at its top for the kernel before it, so a
-    launch overlaps that kernel's tail (V2-Lite's bs-1 decode step, Triton attention, H200: 2.390 ->
-    2.303 ms; benchmarks/README.md). encore's own PDL kernels (the GEMV) read nothing before their wait
-    either, and a kernel without PDL after one waits as usual."""
+    kernels launched as programmatic dependents, so a launch overlaps the tail of the kernel before it
+    (V2-Lite's bs-1 decode step, Triton attention, H200: 2.390 -> 2.303 ms; benchmarks/README.md).
+    Such a kernel waits for the one before it after its first load, or before it stores to a buffer
+    that kernel's node read or wrote (torch 2.13's codegen): one that loads nothing and stores
+    elsewhere does not wait, even into memory an op's temporaries just freed. So encore's own PDL
+    kernels release the next kernel only once they have read what their op frees on return (the MoE's
+    pair sum, after its loads); the GEMV releases it before it reads x, which stays safe while no
+    load-free kernel follows a GEMV. A kernel without PDL after one waits as usual."""
     patches: dict = {} if compile_threads is None else {"compile_threads": compile_threads}
     if any(isinstance(t, torch.Tensor) and pdl_supported(t.device) for t in example_inputs):
         patches["triton.enable_pdl"] = True
