@@ -28,8 +28,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
 
-    def add(self, token_ids: list[int]) -> str | None:
-        """Appends tokens; returns the stop string that ended the text, if one did."""
+    def add(self, token_ids: list[int], match: bool = True) -> str | None:
+        """Appends tokens; returns the stop string that ended the text, if one did. A stop string
+        must end in the new text; with ``match`` False none is looked for (a request's first
+        ``min_tokens``), and one completed then does not end a later call's text."""
         if self._decode is None:
             return None
         self.ids.extend(token_ids)
@@ -37,11 +39,13 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
-        start = max(0, len(self.text) - self.hold)
+        old = len(self.text)
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not match:
+            return None
         for s in self.stop:
-            at = self.text.find(s, start)
+            at = self.text.find(s, max(0, old - len(s) + 1))  # the first match that ends past ``old``
             if at != -1:
                 self.text = self.text[:at]
                 return s

@@ -10,7 +10,8 @@ i + 1's decode rows take their input ids from step i's output on the device (``F
 in stream order. Each call thus returns the outputs of the step before the one it launched. Where a
 step's sampling reads host state that the previous token changes — a grammar's matcher, penalties'
 token counts — the step in flight is read and committed as soon as the step's forward is launched,
-and the mask and counts are built while the device runs it. A step that completed prompts without
+and the mask and counts are built while the device runs it (a row short of its ``min_tokens``, whose
+stop tokens are masked, goes the same way). A step that completed prompts without
 a graph replay (a burst of long prompts, whose steps take long to launch on the host) is read and
 returned before the next step is scheduled, so its first tokens do not wait for the next launch.
 Speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
@@ -35,7 +36,7 @@ import torch
 from encore.engine.config import EngineConfig
 from encore.graphs.runner import KeyReport
 from encore.engine.detokenizer import IncrementalDetokenizer
-from encore.engine.grammar import GrammarCompilerPool, RequestGrammar, step_bitmask
+from encore.engine.grammar import Ban, GrammarCompilerPool, RequestGrammar, step_bitmask
 from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelBuilder, ModelRunner
@@ -252,8 +253,8 @@ class Engine:
         spec.prepare(step)
         batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
         self._steps[batch.mode.value] += 1
-        groups = [(r.grammar, []) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
-        groups += [(r.grammar, r.draft_token_ids) for r in step.decodes]
+        groups = [(r.grammar, [], self._ban(r)) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
+        groups += [(r.grammar, r.draft_token_ids, self._ban(r)) for r in step.decodes]
         # The mask is built on the host while the device runs the forward.
         results = spec.run(step, batch, sampled, partial(step_bitmask, groups, self.model_config.vocab_size))
         for req, n in step.extends:
@@ -282,7 +283,7 @@ class Engine:
 
         def masks():
             settle()  # a row that has just ended is no longer constrained: its token is dropped
-            groups = [(None if r.finished else r.grammar, []) for r in sampled]
+            groups = [(None, [], None) if r.finished else (r.grammar, [], self._ban(r)) for r in sampled]
             return step_bitmask(groups, self.model_config.vocab_size)
 
         def sampling() -> SamplingTensors:
@@ -301,6 +302,15 @@ class Engine:
             settle()
             return settled
         return self._commit(self._row_results(sampled, _HostCopy(out)))
+
+    def _ban(self, req: Request) -> Ban | None:
+        """While ``req`` is short of its ``min_tokens``: its stop tokens (EOS unless ``ignore_eos``, and
+        its ``stop_token_ids``), banned from that many of its next positions."""
+        short = req.params.min_tokens - req.num_output_tokens
+        if short <= 0:
+            return None
+        eos = () if req.params.ignore_eos else self.eos_token_ids
+        return tuple(sorted({*eos, *req.params.stop_token_ids})), short
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         """With nothing left to launch: the step in flight, read and committed."""
@@ -373,7 +383,8 @@ class Engine:
                 new.append(token)
                 if res.logprobs is not None:
                     req.logprobs.append(res.logprobs[j])
-                stop_string = req.detokenizer.add([token]) if stops and token not in eos else None
+                stop_string = (req.detokenizer.add([token], end - len(req.prompt_token_ids) >= req.params.min_tokens)
+                               if stops and token not in eos else None)
                 reason = self._finish_reason(req, token, stop_string, end)
                 if req.grammar is not None and req.grammar.accept([token]) and reason is None:
                     reason = "stop"  # the grammar has terminated

@@ -170,16 +170,27 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     _xgr().apply_token_bitmask_inplace(logits, bitmask)
 
 
-def step_bitmask(groups: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int) -> torch.Tensor | None:
+# A request's banned tokens and how many of its next positions may not take them (min_tokens).
+Ban = tuple[tuple[int, ...], int]
+
+
+def step_bitmask(groups: list[tuple[RequestGrammar | None, list[int], Ban | None]],
+                 vocab_size: int) -> torch.Tensor | None:
     """The step's mask, one row per logits row in step-layout order: each group is a request's
-    grammar (None: unconstrained, all allowed) and the drafts its rows verify ([] for one row).
-    None when no row is constrained."""
-    if all(g is None for g, _ in groups):
+    grammar (None: unconstrained, all allowed), the drafts its rows verify ([] for one row) and the
+    tokens its first rows may not take (None: no ban). None when no row is constrained."""
+    if all(g is None and ban is None for g, _, ban in groups):
         return None
-    bitmask = allocate_bitmask(sum(len(d) + 1 for _, d in groups), vocab_size)
+    bitmask = allocate_bitmask(sum(len(d) + 1 for _, d, _ in groups), vocab_size)
     row = 0
-    for grammar, drafts in groups:
+    for grammar, drafts, ban in groups:
         if grammar is not None:
             grammar.fill(bitmask, row, drafts)
+        if ban is not None:
+            tokens, positions = ban
+            for token in tokens:
+                bit = 1 << (token % 32)
+                keep = ~(bit - (bit >> 31 << 32))  # every bit but ``bit``, as an int32 value
+                bitmask[row:row + min(positions, len(drafts) + 1), token // 32] &= keep
         row += len(drafts) + 1
     return bitmask

@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 
 def plain_greedy(rows: Sequence[Request]) -> bool:
     """Whether every logits row is its target's argmax and nothing else is read from the logits: all
-    greedy, no penalties, no logprobs, no grammar."""
+    greedy, no penalties, no logprobs, no grammar, none short of its ``min_tokens`` (whose stop
+    tokens are masked)."""
     return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None and r.grammar is None
-               for r in rows)
+               and (not r.params.min_tokens or r.num_output_tokens >= r.params.min_tokens) for r in rows)
 
 
 class HeadGraphs:

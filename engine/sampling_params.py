@@ -25,6 +25,10 @@ class SamplingParams:
     ``speculative``: False opts this request out of the engine's speculative decoding (its rows
     keep the batch's uniform shape but accept no draft: its tokens are exactly the plain-decode
     ones); True asks for it and is refused by an engine started without it; None follows the engine.
+    ``min_tokens``: the request's first ``min_tokens`` tokens are not EOS (unless ``ignore_eos``) nor
+    ``stop_token_ids`` (their logits are masked), and a stop string completed within them does not end
+    it (vLLM's definition); it cannot exceed ``max_tokens``, nor combine with structured output, whose
+    grammar may allow nothing but a stop token.
     """
 
     max_tokens: int = 16
@@ -45,6 +49,7 @@ class SamplingParams:
     ebnf: str | None = None
     json_object: bool = False
     speculative: bool | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +79,11 @@ class SamplingParams:
         grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
         _check(self.speculative is None or isinstance(self.speculative, bool),
                f"speculative must be True, False or None, got {self.speculative!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(not self.min_tokens or self.grammar is None,
+               f"min_tokens={self.min_tokens} cannot be combined with structured output: its grammar may "
+               "allow nothing but a stop token")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 

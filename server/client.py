@@ -30,7 +30,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
                   min_p: float | None = None, repetition_penalty: float | None = None,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False, logprobs: int | None = None,
+                  ignore_eos: bool = False, min_tokens: int | None = None, logprobs: int | None = None,
                   speculative: bool | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; options left None are left unset, so the server's defaults apply
     (``speculative=False`` opts the request out of the server's speculative decoding). ``stop`` is one
@@ -45,7 +45,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_toke
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                 "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                 "frequency_penalty": frequency_penalty, "seed": seed}
-    stopping = {"max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    stopping = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "min_tokens": min_tokens}
     top = {"logprobs": logprobs, "speculative": speculative}
     for message, options in ((request.sampling, sampling), (request.stopping, stopping), (request, top)):
         for name, value in options.items():

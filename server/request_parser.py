@@ -43,6 +43,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 # SamplingParams names its fields; the client set these proto fields.
 _PROTO_PATHS = {name: f"sampling.{name}" for name in (*_FLOAT_FIELDS, "top_k", "seed")} | {
     "max_tokens": "stopping.max_tokens", "stop": "stopping.stop", "stop_token_ids": "stopping.stop_token_ids",
+    "min_tokens": "stopping.min_tokens",
 }
 
 
@@ -85,6 +86,9 @@ class RequestParser:
         params = self._params(request)
         if request.HasField("response_format"):
             grammar = await self._grammar(request.response_format)
+            if grammar and params.min_tokens:
+                raise invalid(f"stopping.min_tokens={params.min_tokens} cannot be combined with response_format: "
+                              "its grammar may allow nothing but a stop token")
             params = dataclasses.replace(params, **grammar)
         if token_ids is None:
             token_ids = await self._tokenize(request.text)
@@ -92,7 +96,11 @@ class RequestParser:
             raise invalid(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
                           f"so at most {self.max_model_len - 1} fit and leave room to generate")
         if not request.stopping.HasField("max_tokens"):  # unset: until the context is full
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
+            room = self.max_model_len - len(token_ids)
+            if params.min_tokens > room:
+                raise invalid(f"stopping.min_tokens={params.min_tokens}, but the prompt's {len(token_ids)} tokens "
+                              f"leave room for {room} in max_model_len {self.max_model_len}")
+            params = dataclasses.replace(params, max_tokens=room)
         return ParsedRequest(token_ids, params)
 
     def _token_ids(self, request: pb.GenerateRequest) -> list[int] | None:
@@ -135,6 +143,10 @@ class RequestParser:
             kwargs["seed"] = sampling.seed
         if stopping.HasField("max_tokens"):
             kwargs["max_tokens"] = stopping.max_tokens
+        else:  # until the context is full: bounded here by max_model_len, set once the prompt is tokenized
+            kwargs["max_tokens"] = self.max_model_len
+        if stopping.HasField("min_tokens"):
+            kwargs["min_tokens"] = stopping.min_tokens
         if len(stopping.stop) > MAX_STOP_STRINGS:
             raise invalid(f"stopping.stop has {len(stopping.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for i, s in enumerate(stopping.stop):

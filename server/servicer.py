@@ -81,7 +81,8 @@ class GenerationServicer:
                                f"{self.max_in_flight} (max_num_seqs + max_queued_requests); retry later")
         info = self.engine.info
         stream = RequestStream(request_id, parsed.prompt_token_ids, parsed.params.stop, self.tokenizer,
-                               frozenset(info.eos_token_ids), arrival=time.monotonic(), pacer=self._pacer)
+                               frozenset(info.eos_token_ids), arrival=time.monotonic(), pacer=self._pacer,
+                               min_tokens=parsed.params.min_tokens)
         # The engine process has no tokenizer: the stop strings are matched here (see request_stream).
         self.engine.submit(stream, parsed.prompt_token_ids, _without_stop_strings(parsed.params))
         try:

@@ -55,6 +55,19 @@ def test_stop_string_spanning_tokens_truncates_and_is_never_streamed(tokenizer):
     assert not any("fox" in p for p in pieces_seen)
 
 
+def test_a_stop_string_completed_while_not_matching_ends_nothing_later(tokenizer):
+    """``add(..., match=False)`` (a request's first min_tokens) looks for no stop string, and one completed
+    then is not found by a later call: a stop string must end in that call's new text. With stops of
+    different lengths the held-back tail covers the short one's old match."""
+    ids = tokenizer.encode("ab fox cd fox ef")
+    detok = IncrementalDetokenizer(tokenizer, [], ("fox", "a long stop"))
+    first = next(i for i in range(1, len(ids) + 1) if "fox" in tokenizer.decode(ids[:i]))
+    assert all(detok.add([t], match=False) is None for t in ids[:first])
+    second, hit = next((i, hit) for i in range(first, len(ids)) if (hit := detok.add([ids[i]])) is not None)
+    assert hit == "fox" and "fox" in tokenizer.decode(ids[first:second + 1])
+    assert detok.text == "ab fox cd "
+
+
 def test_engine_stop_strings_and_stop_token_ids(v3_dir, tokenizer):
     engine = Engine(str(v3_dir), device="cpu", page_size=4)
     free = engine.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0,

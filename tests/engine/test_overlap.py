@@ -171,12 +171,18 @@ def test_prefix_cache_hits_the_same():
     assert engine_on.stats()["prefix_cache_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("kind", ["grammar", "penalties"])
+@pytest.mark.parametrize("kind", ["grammar", "penalties", "min_tokens"])
 def test_grammar_and_penalty_rows_overlap_too(kind):
     """A grammar's matcher and penalties' counts need the previous token on the host: the step in flight
-    is committed once the next forward is launched, before the mask and the counts are built."""
-    special = (SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]+ [0-9]+") if kind == "grammar" else
-               SamplingParams(max_tokens=8, temperature=0.7, seed=5, repetition_penalty=1.3, presence_penalty=0.5))
+    is committed once the next forward is launched, before the mask and the counts are built. Rows short
+    of their min_tokens (their stop tokens masked, stop strings not matched) go the same way."""
+    special = {
+        "grammar": SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]+ [0-9]+"),
+        "penalties": SamplingParams(max_tokens=8, temperature=0.7, seed=5, repetition_penalty=1.3,
+                                    presence_penalty=0.5),
+        "min_tokens": SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, stop=("e", " "),
+                                     stop_token_ids=(274, 291)),
+    }[kind]
     plain = SamplingParams(max_tokens=16, temperature=0.0)
     arrivals = {0: [("plain0", PROMPTS[0], plain), ("plain1", PROMPTS[1], plain)],
                 3: [("special", PROMPTS[2], special), ("special2", PROMPTS[3], special)]}

@@ -59,6 +59,21 @@ def test_stop_string_ends_the_stream_where_the_engine_does(client, reference):
     wait_idle(client)  # the engine, a step ahead, was told to abort: nothing stays behind
 
 
+def test_min_tokens_holds_off_stop_strings_and_ids_as_the_engine_does(client, reference):
+    """A stop string and a stop id the greedy text reaches early: with min_tokens the stream runs past
+    them as Engine.generate does (the server matches the stop string, the engine masks the id)."""
+    prompt = "def fibonacci(n):"
+    free = reference.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    stop, stop_id = free.text[1:3], free.token_ids[2]
+    options = dict(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,), stop_token_ids=(stop_id,))
+    early = reference.generate([prompt], SamplingParams(**options))[0]
+    want = reference.generate([prompt], SamplingParams(min_tokens=12, **options))[0]
+    assert len(early.token_ids) <= 3 < 12 <= len(want.token_ids)
+    got = client.generate(prompt, min_tokens=12, **options)
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    wait_idle(client)
+
+
 def test_request_id_can_be_reused_once_its_stream_has_ended(client, reference):
     """A stop string ends the stream while the engine still holds the request; the id is free at once."""
     free = reference.generate(["The quick brown fox"], SamplingParams(max_tokens=30, temperature=0.0,

@@ -43,6 +43,17 @@ def test_unset_options_take_defaults_and_explicit_zeros_are_kept(parser):
     assert parsed.params.max_tokens == 7
 
 
+def test_min_tokens_reaches_the_sampling_params_and_not_with_a_response_format(parser):
+    parsed = parse(parser, build_request([5, 6, 7], min_tokens=MAX_LEN - 3))  # all the context leaves
+    assert (parsed.params.min_tokens, parsed.params.max_tokens) == (MAX_LEN - 3, MAX_LEN - 3)
+    assert parse(parser, build_request([5], min_tokens=0, max_tokens=3)).params.min_tokens == 0
+    request = build_request([5], min_tokens=2)
+    request.response_format.regex = "[a-z]+"
+    err = error(parser, request)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message.startswith("stopping.min_tokens=2 cannot be combined with response_format"), err.message
+
+
 def test_text_is_tokenized_like_the_engine_does(parser, reference):
     parsed = parse(parser, build_request("def fibonacci(n):", stop=["\n"]))
     assert parsed.prompt_token_ids == reference.tokenizer.encode("def fibonacci(n):")
@@ -75,6 +86,8 @@ def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, refer
     (dict(stop=["x"] * 17), "stopping.stop"),
     (dict(stop=["x" * 257]), "stopping.stop[0]"),
     (dict(stop_token_ids=[VOCAB]), "stopping.stop_token_ids"),
+    (dict(min_tokens=5, max_tokens=4), "stopping.min_tokens"),
+    (dict(min_tokens=MAX_LEN), "stopping.min_tokens"),  # max_tokens unset: more than the context leaves
     (dict(logprobs=21), "logprobs"),
     (dict(request_id="x" * 129), "request_id"),
     (dict(request_id="a\nb"), "request_id"),

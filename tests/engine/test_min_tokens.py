@@ -1,0 +1,108 @@
+"""``SamplingParams.min_tokens``: a request's first min_tokens tokens are neither EOS nor its stop
+token ids (masked), and a stop string they complete does not end it. Greedy tokens against
+transformers' ``generate(min_new_tokens=...)`` on tiny random checkpoints, plain and speculative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from checkpoints import write_mtp_checkpoint
+from encore.engine import Engine, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(40, 73))]
+MIN_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return write_mtp_checkpoint(tmp_path_factory.mktemp("mtp_min_tokens"))
+
+
+def engine_for(setting: str, v3_dir, mtp_dir) -> Engine:
+    options = dict(device="cpu", dtype="float32", page_size=4)
+    if setting == "plain":
+        return Engine(str(v3_dir), **options)
+    method, k = {"ngram-2": ("ngram", 2), "mtp-3": ("mtp", 3)}[setting]
+    return Engine(str(mtp_dir if method == "mtp" else v3_dir), speculative={"method": method,
+                                                                          "num_speculative_tokens": k}, **options)
+
+
+@pytest.mark.parametrize("setting", ["plain", "ngram-2", "mtp-3"])
+def test_stop_tokens_wait_for_min_tokens_as_in_transformers(setting, v3_dir, mtp_dir):
+    """Each prompt's stop token is its unconstrained greedy run's second token, so without min_tokens it
+    would end at once; with it, the run matches transformers' min_new_tokens and stops at that token."""
+    engine = engine_for(setting, v3_dir, mtp_dir)
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(mtp_dir if setting == "mtp-3" else v3_dir, dtype=torch.float32).eval()
+    for prompt, first in zip(PROMPTS, free):
+        stop = first.token_ids[1]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,),
+                                min_tokens=MIN_TOKENS)
+        out = engine.generate([prompt], params)[0]
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=MIN_TOKENS, do_sample=False,
+                             eos_token_id=[stop], pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, (setting, prompt)
+        assert len(out.token_ids) > MIN_TOKENS and stop not in out.token_ids[:MIN_TOKENS]
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == stop else "length")
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    if setting != "plain":
+        assert stats["spec_draft_tokens"] > 0
+
+
+def test_eos_waits_for_min_tokens(v3_dir):
+    """EOS is banned like a stop token id: the model's EOS as the stop, min_tokens past where it came."""
+    engine = Engine(str(v3_dir), device="cpu", dtype="float32", page_size=4)
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eos = sorted(engine.eos_token_ids)
+    for prompt, first in zip(PROMPTS, free):
+        engine.eos_token_ids = frozenset({first.token_ids[1]})  # the model "ends" at its second token
+        assert engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids == \
+            first.token_ids
+        out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, min_tokens=MIN_TOKENS))[0]
+        assert len(out.token_ids) > MIN_TOKENS and first.token_ids[1] not in out.token_ids[:MIN_TOKENS]
+    assert eos  # the checkpoint has one; the test replaced it
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """encore-tiny (it has a tokenizer): a stop string its greedy text completes early ends the run only
+    at the first token from min_tokens on that completes one."""
+    engine = Engine(device="cpu", seed=3)
+    prompt, stop = "def fibonacci(n):\n", "f"
+    free = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].token_ids
+    texts = [engine.tokenizer.decode(free[:i]) for i in range(len(free) + 1)]
+    assert stop in texts[MIN_TOKENS]  # without min_tokens the run would end before MIN_TOKENS tokens
+    end = next(i for i in range(MIN_TOKENS, len(free) + 1) if stop in texts[i][len(texts[i - 1]):])
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop,
+                                                   min_tokens=MIN_TOKENS))[0]
+    assert out.token_ids == free[:end] and out.finish_reason == "stop"
+    assert out.text == texts[end][:texts[end].rindex(stop)]
+
+
+def test_min_tokens_is_checked():
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens=4\], got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens must be"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match="min_tokens=2 cannot be combined with structured output"):
+        SamplingParams(min_tokens=2, regex="[a-z]+")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 2}])
+def test_cuda_graph_steps_hold_off_stop_tokens_as_the_cpu_does(v3_dir, speculative):
+    """On CUDA graphs (greedy head graphs, overlapped steps without speculation) a row short of its
+    min_tokens leaves the plain-greedy path for the masked one: float32 tokens equal the CPU engine's."""
+    options = dict(dtype="float32", page_size=4, speculative=speculative)
+    cpu = Engine(str(v3_dir), device="cpu", **options)
+    gpu = Engine(str(v3_dir), device="cuda", compile=False, cuda_graphs=True, max_model_len=256, **options)
+    free = cpu.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(f.token_ids[1],),
+                             min_tokens=MIN_TOKENS) for f in free]
+    want = [o.token_ids for o in cpu.generate(PROMPTS, params)]
+    assert all(len(w) > MIN_TOKENS for w in want)
+    assert [o.token_ids for o in gpu.generate(PROMPTS, params)] == want
+    assert gpu.stats()["graph_replays"] > 0
