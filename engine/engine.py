@@ -305,12 +305,14 @@ class Engine:
 
     def _ban(self, req: Request) -> Ban | None:
         """While ``req`` is short of its ``min_tokens``: its stop tokens (EOS unless ``ignore_eos``, and
-        its ``stop_token_ids``), banned from that many of its next positions."""
+        its ``stop_token_ids``), banned from that many of its next positions. EOS ids past the
+        vocabulary (a tokenizer's or generation config's) cannot be sampled and are left out."""
         short = req.params.min_tokens - req.num_output_tokens
-        if short <= 0:
+        if short <= 0 or not req.params.bans_stop_tokens:
             return None
         eos = () if req.params.ignore_eos else self.eos_token_ids
-        return tuple(sorted({*eos, *req.params.stop_token_ids})), short
+        tokens = tuple(sorted(t for t in {*eos, *req.params.stop_token_ids} if t < self.model_config.vocab_size))
+        return (tokens, short) if tokens else None
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         """With nothing left to launch: the step in flight, read and committed."""
@@ -383,7 +385,7 @@ class Engine:
                 new.append(token)
                 if res.logprobs is not None:
                     req.logprobs.append(res.logprobs[j])
-                stop_string = (req.detokenizer.add([token], end - len(req.prompt_token_ids) >= req.params.min_tokens)
+                stop_string = (req.detokenizer.add([token], end - len(req.prompt_token_ids) > req.params.min_tokens)
                                if stops and token not in eos else None)
                 reason = self._finish_reason(req, token, stop_string, end)
                 if req.grammar is not None and req.grammar.accept([token]) and reason is None:

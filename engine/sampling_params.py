@@ -25,10 +25,11 @@ class SamplingParams:
     ``speculative``: False opts this request out of the engine's speculative decoding (its rows
     keep the batch's uniform shape but accept no draft: its tokens are exactly the plain-decode
     ones); True asks for it and is refused by an engine started without it; None follows the engine.
-    ``min_tokens``: the request's first ``min_tokens`` tokens are not EOS (unless ``ignore_eos``) nor
-    ``stop_token_ids`` (their logits are masked), and a stop string completed within them does not end
-    it (vLLM's definition); it cannot exceed ``max_tokens``, nor combine with structured output, whose
-    grammar may allow nothing but a stop token.
+    ``min_tokens``: the request's first ``min_tokens`` tokens are not EOS (unless ``ignore_eos``: then
+    EOS does not end it anyway; vLLM bans it regardless) nor ``stop_token_ids`` (their logits are
+    masked), and a stop string completed within them does not end it (vLLM's definition); it cannot
+    exceed ``max_tokens``, nor combine with structured output, whose grammar may allow nothing but a
+    stop token.
     """
 
     max_tokens: int = 16
@@ -94,6 +95,11 @@ class SamplingParams:
     @property
     def grammar(self) -> GrammarSpec | None:
         return grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
+
+    @property
+    def bans_stop_tokens(self) -> bool:
+        """Whether ``min_tokens`` masks tokens: it is set and there is a stop token to ban."""
+        return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
 
     @property
     def uses_penalties(self) -> bool:

@@ -143,8 +143,8 @@ class RequestParser:
             kwargs["seed"] = sampling.seed
         if stopping.HasField("max_tokens"):
             kwargs["max_tokens"] = stopping.max_tokens
-        else:  # until the context is full: bounded here by max_model_len, set once the prompt is tokenized
-            kwargs["max_tokens"] = self.max_model_len
+        else:  # until the context is full: set once the prompt is tokenized (and min_tokens checked then)
+            kwargs["max_tokens"] = max(self.max_model_len, stopping.min_tokens)
         if stopping.HasField("min_tokens"):
             kwargs["min_tokens"] = stopping.min_tokens
         if len(stopping.stop) > MAX_STOP_STRINGS:

@@ -55,7 +55,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], stop: tuple[str, ...], tokenizer,
                  eos_token_ids: frozenset[int], arrival: float, pacer: SendPacer, min_tokens: int = 0) -> None:
-        """``min_tokens``: a stop string completed within the first that many tokens does not end it."""
+        """``min_tokens``: a stop string completed by one of the first that many tokens does not end it."""
         self.request_id = request_id
         self.min_tokens = min_tokens
         self.engine_id = ""  # given by EngineProcess.submit
@@ -170,7 +170,7 @@ class RequestStream:
         if self.detokenizer.stop:  # token by token, to end at the one that completes a stop string
             for i, token in enumerate(tokens):
                 if (token not in eos
-                        and self.detokenizer.add([token], self.num_output_tokens + i + 1 >= self.min_tokens) is not None):
+                        and self.detokenizer.add([token], self.num_output_tokens + i + 1 > self.min_tokens) is not None):
                     del tokens[i + 1:], logprobs[i + 1:]
                     self.stopped_early = reason is None
                     reason = "stop"

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from checkpoints import write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
+from encore.engine.grammar import step_bitmask
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(40, 73))]
 MIN_TOKENS = 6
@@ -31,25 +32,28 @@ def engine_for(setting: str, v3_dir, mtp_dir) -> Engine:
 
 @pytest.mark.parametrize("setting", ["plain", "ngram-2", "mtp-3"])
 def test_stop_tokens_wait_for_min_tokens_as_in_transformers(setting, v3_dir, mtp_dir):
-    """Each prompt's stop token is its unconstrained greedy run's second token, so without min_tokens it
-    would end at once; with it, the run matches transformers' min_new_tokens and stops at that token."""
+    """Each prompt's stop tokens are the first 8 distinct tokens of its unconstrained greedy run, so
+    without min_tokens it ends at once; with min_tokens 1-8, the run matches transformers'
+    min_new_tokens and ends at the first stop token from there on (with speculation, the ban reaches
+    every position of a verify row: 1 + k of them)."""
     engine = engine_for(setting, v3_dir, mtp_dir)
-    free = engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(mtp_dir if setting == "mtp-3" else v3_dir, dtype=torch.float32).eval()
     for prompt, first in zip(PROMPTS, free):
-        stop = first.token_ids[1]
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,),
-                                min_tokens=MIN_TOKENS)
-        out = engine.generate([prompt], params)[0]
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=MIN_TOKENS, do_sample=False,
-                             eos_token_id=[stop], pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (setting, prompt)
-        assert len(out.token_ids) > MIN_TOKENS and stop not in out.token_ids[:MIN_TOKENS]
-        assert out.finish_reason == ("stop" if out.token_ids[-1] == stop else "length")
+        stops = tuple(dict.fromkeys(first.token_ids))[:8]
+        for min_tokens in range(1, 9):
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=stops,
+                                    min_tokens=min_tokens)
+            out = engine.generate([prompt], params)[0]
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=min_tokens,
+                                 do_sample=False, eos_token_id=list(stops), pad_token_id=0)[0, len(prompt):].tolist()
+            assert out.token_ids == ref, (setting, prompt, min_tokens)
+            assert len(out.token_ids) > min_tokens and not set(stops) & set(out.token_ids[:min_tokens])
+            assert out.finish_reason == ("stop" if out.token_ids[-1] in stops else "length")
     stats = engine.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
-    if setting != "plain":
-        assert stats["spec_draft_tokens"] > 0
+    if setting != "plain":  # drafts verified; n-gram's accepted too (the random MTP layer's rarely are)
+        assert stats["spec_draft_tokens"] > 0 and (setting != "ngram-2" or stats["spec_accepted_tokens"] > 0)
 
 
 def test_eos_waits_for_min_tokens(v3_dir):
@@ -58,6 +62,7 @@ def test_eos_waits_for_min_tokens(v3_dir):
     free = engine.generate(PROMPTS, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     eos = sorted(engine.eos_token_ids)
     for prompt, first in zip(PROMPTS, free):
+        assert first.token_ids[0] != first.token_ids[1], "the test needs a second token unlike the first"
         engine.eos_token_ids = frozenset({first.token_ids[1]})  # the model "ends" at its second token
         assert engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids == \
             first.token_ids
@@ -74,11 +79,23 @@ def test_stop_strings_wait_for_min_tokens():
     free = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].token_ids
     texts = [engine.tokenizer.decode(free[:i]) for i in range(len(free) + 1)]
     assert stop in texts[MIN_TOKENS]  # without min_tokens the run would end before MIN_TOKENS tokens
-    end = next(i for i in range(MIN_TOKENS, len(free) + 1) if stop in texts[i][len(texts[i - 1]):])
+    # The first token past the first MIN_TOKENS whose text completes the stop string (vLLM's boundary).
+    end = next(i for i in range(MIN_TOKENS + 1, len(free) + 1) if stop in texts[i][len(texts[i - 1]):])
     out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop,
                                                    min_tokens=MIN_TOKENS))[0]
     assert out.token_ids == free[:end] and out.finish_reason == "stop"
     assert out.text == texts[end][:texts[end].rindex(stop)]
+
+
+def test_bans_clear_their_bits_over_the_positions_short_of_min_tokens():
+    """A ban clears its tokens' bits (31 and 63 are the sign bits of their int32 words) in the first rows
+    of its group, verify rows included, and nowhere else."""
+    groups = [(None, [], ((31, 32), 2)), (None, [7, 8], ((0, 63), 2)), (None, [4], ((5,), 9)), (None, [], None)]
+    bitmask = step_bitmask(groups, 70)
+    allowed = [[bool(bitmask[row, t // 32] >> (t % 32) & 1) for t in range(70)] for row in range(bitmask.shape[0])]
+    banned = {0: {31, 32}, 1: {0, 63}, 2: {0, 63}, 4: {5}, 5: {5}}
+    assert [{t for t in range(70) if not a[t]} for a in allowed] == [banned.get(row, set()) for row in range(7)]
+    assert step_bitmask([(None, [], None), (None, [1], None)], 70) is None
 
 
 def test_min_tokens_is_checked():
