@@ -155,9 +155,11 @@ def inductor_patches(example_inputs: list, compile_threads: int | None) -> dict:
     Such a kernel waits for the one before it after its first load, or before it stores to a buffer
     that kernel's node read or wrote (torch 2.13's codegen): one that loads nothing and stores
     elsewhere does not wait, even into memory an op's temporaries just freed. So encore's own PDL
-    kernels release the next kernel only once they have read what their op frees on return (the MoE's
-    pair sum, after its loads); the GEMV releases it before it reads x, which stays safe while no
-    load-free kernel follows a GEMV. A kernel without PDL after one waits as usual."""
+    kernels release the next kernel once they have read what may be freed when their op returns (the
+    MoE's pair sum, after its loads), or where the next kernel is encore's own and waits at its top:
+    the expert selection, before it reads the router's logits (the MoE's first kernel follows it),
+    and the GEMV, before it reads x, which stays safe while no load-free kernel follows a GEMV. A
+    kernel without PDL after one waits as usual."""
     patches: dict = {} if compile_threads is None else {"compile_threads": compile_threads}
     if any(isinstance(t, torch.Tensor) and pdl_supported(t.device) for t in example_inputs):
         patches["triton.enable_pdl"] = True
