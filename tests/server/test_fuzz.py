@@ -63,9 +63,15 @@ def _bad_sampling(rng):
 
 def _bad_stopping(rng):
     request = _base(rng)
-    kind = rng.choice(["max_tokens", "seed", "logprobs", "many_stops", "long_stop", "empty_stop", "stop_token"])
+    kind = rng.choice(["max_tokens", "seed", "logprobs", "many_stops", "long_stop", "empty_stop", "stop_token",
+                       "min_tokens"])
     if kind == "max_tokens":
         request.stopping.max_tokens = 0
+    elif kind == "min_tokens":  # past max_tokens (1-2), or past what the context leaves when that is unset
+        request.stopping.min_tokens = rng.randint(3, 2**32 - 1)
+        if rng.random() < 0.5:
+            request.stopping.ClearField("max_tokens")
+            request.stopping.min_tokens = rng.randint(10**6, 2**32 - 1)
     elif kind == "seed":
         request.sampling.seed = rng.randrange(2**63, 2**64)
     elif kind == "logprobs":
