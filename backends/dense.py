@@ -55,8 +55,9 @@ def gemv_pays(tokens: int, weight_elements: int, max_tokens: int = GEMV_TOKENS) 
 
 
 def runs_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this x · wᵀ runs on the GEMV: ``use_gemv`` and ``gemv_pays``."""
-    return use_gemv(x, w) and gemv_pays(x.shape[0], w.numel())
+    """Whether this x · wᵀ runs on the GEMV: a layout it takes and ``gemv_pays`` (which holds the weight
+    to ``use_gemv``'s limit at one token, and to a smaller one past it)."""
+    return gemv_layout(x, w) and gemv_pays(x.shape[0], w.numel())
 
 
 @dense.register_kernel("cuda")
