@@ -169,23 +169,26 @@ FUSED_MOE_MAX_PAIRS = 8192 * 6
 
 @torch.library.custom_op("encore::routed_experts", mutates_args=())
 def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
+                   ids: torch.Tensor, num_shared: int) -> torch.Tensor:
     """The routed experts as one op the compiler does not trace into. CPU: the reference (its host
     reads cost nothing there); CUDA: a capturable kernel — the Triton fused MoE up to
     FUSED_MOE_MAX_PAIRS pairs and for every dtype ``torch._grouped_mm`` lacks, ``experts_grouped``
-    for larger bf16 batches."""
+    for larger bf16 batches. ``num_shared``: the fused shared experts ending each token's pairs, as
+    ``route(..., num_shared)`` appends them (``moe_triton.fused_moe`` starts them early)."""
     return experts_torch(x, w13, w2, weights, ids)
 
 
 @routed_experts.register_kernel("cuda")
-def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+      num_shared: int) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and ids.numel() > FUSED_MOE_MAX_PAIRS:  # bf16: grouped_mm's only GPU dtype
         return experts_grouped(x, w13, w2, weights, ids)
     from encore.backends.moe_triton import fused_moe  # triton is imported on first use
 
-    return fused_moe(x, w13, w2, weights, ids)
+    return fused_moe(x, w13, w2, weights, ids, num_shared)
 
 
 @routed_experts.register_fake
-def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+      num_shared: int) -> torch.Tensor:
     return torch.empty_like(x)

@@ -301,16 +301,24 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
 @triton.jit
 def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOWN_BLOCKS: tl.constexpr,
-                              BLOCK_DOWN: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_DOWN: tl.constexpr, ROUTED: tl.constexpr, FIRST_SHARED: tl.constexpr,
+                              PDL: tl.constexpr):
     # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
     # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
-    if PDL:  # launched as a programmatic dependent: nothing is read or written before the selection finished
-        tl.extra.cuda.gdc_wait()
+    # Pairs ROUTED.. are the fused shared experts FIRST_SHARED.., the same for every token: as
+    # programmatic dependents of the selection, their programs read x and their weights and compute
+    # while the selection runs, and wait only before they write. The selection releases this kernel
+    # after its own wait, when the kernels before it, x's writer among them, have finished (so x is
+    # complete); the routed pairs' programs wait at their top, as they read the selection's ids.
     pair = tl.program_id(0)
-    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters, one per column block
+    routed = pair < ROUTED
+    if PDL:
+        if routed:
+            tl.extra.cuda.gdc_wait()
+    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters (pair 0 is routed: waited)
         blocks = tl.arange(0, BLOCK_DOWN)
         tl.store(ARRIVED + blocks, tl.zeros([BLOCK_DOWN], tl.int32), mask=blocks < DOWN_BLOCKS)
-    expert = tl.load(IDS + pair)
+    expert = tl.where(routed, tl.load(IDS + pair, mask=routed, other=0), FIRST_SHARED - ROUTED + pair.to(tl.int64))
     row = tl.arange(0, 16)[:, None]  # [16, 1]
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
     n_ok = n < I
@@ -320,7 +328,8 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
-        a = tl.load(X + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0)  # [16, K]
+        a = tl.load(X + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")  # [16, K], past L1: a shared pair's program reads it before any wait
         w_ok = n_ok[:, None] & k_ok[None, :]
         w_gate = tl.load(w + n[:, None] * H + k[None, :], mask=w_ok, other=0.0)  # [N, K]
         w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=w_ok, other=0.0)
@@ -328,6 +337,8 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
         acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads end
         tl.extra.cuda.gdc_launch_dependents()
+        if not routed:  # the selection's kernel may still run: INTER may be memory it is freeing
+            tl.extra.cuda.gdc_wait()
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
     tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
 
@@ -365,7 +376,7 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: t
 
 
 def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
+                  num_shared: int = 0, config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
     """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in two launches."""
     pairs = ids.shape[1]
     inter, hidden = w2.shape[2], x.shape[1]
@@ -377,7 +388,8 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     pdl = pdl_supported(x.device)
     _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
         x, w13, ids, intermediate, arrived, H=hidden, I=inter, BLOCK_N=config.gate_n, DOWN_BLOCKS=down_blocks,
-        BLOCK_DOWN=triton.next_power_of_2(down_blocks), PDL=pdl, launch_pdl=pdl, **launch)
+        BLOCK_DOWN=triton.next_power_of_2(down_blocks), ROUTED=pairs - num_shared,
+        FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, launch_pdl=pdl, **launch)
     per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [k, H], weighted
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     _one_token_down_kernel[(pairs, down_blocks)](
@@ -397,11 +409,13 @@ def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.T
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              config: FusedMoEConfig | None = None) -> torch.Tensor:
+              num_shared: int = 0, config: FusedMoEConfig | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU. x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous, x's dtype), weights
     [T, k] float32, ids [T, k] int64 (0 <= id < E; checking would read the device) -> [T, H] in x's
     dtype. No host reads: capturable in a CUDA graph. ``config`` None: ``one_token_moe`` for one token,
-    else the blocked kernels with ``default_config(T, dtype)``."""
+    else the blocked kernels with ``default_config(T, dtype)``. ``num_shared`` = S promises that each
+    token's last S pairs are experts E - S..E - 1 with weight 1 (``moe.with_shared_experts``), so one
+    token's kernel starts them before the selection ends; the blocked kernels take them as any pair."""
     _check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
            "last dim contiguous")
     tokens, hidden = x.shape
@@ -418,11 +432,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
            f"weights {tuple(weights.shape)} {weights.dtype}: expected contiguous {tuple(ids.shape)} float32")
     _check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
     top_k = ids.shape[1]
+    _check(0 <= num_shared < max(top_k, 1) and num_shared <= experts,
+           f"num_shared={num_shared}: must be in 0..{max(top_k - 1, 0)} (fewer than the {top_k} pairs a token, "
+           f"at most the {experts} experts)")
     out = torch.empty_like(x)
     if tokens == 0 or top_k == 0:
         return out.zero_()
     if config is None and tokens == 1:
-        return one_token_moe(x, w13, w2, weights, ids)
+        return one_token_moe(x, w13, w2, weights, ids, num_shared)
     config = config or default_config(tokens, x.dtype)
     sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m)
     blocks = block_expert.shape[0]

@@ -29,7 +29,9 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, scaling,
                    TOPK_GROUP: tl.constexpr, NOAUX_TC: tl.constexpr, RENORMALIZE: tl.constexpr,
                    NUM_SHARED: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: the router's logits are read after their kernel finished,
-        # and a programmatic dependent after it (one token's gate_up kernel) launches now
+        # and a programmatic dependent after it (one token's gate_up kernel) launches now. The order is
+        # load-bearing: gate_up's shared-expert programs read x as they start, and x is complete only once
+        # this wait has returned.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) + tl.arange(0, 1)  # the token, as a one-row tile

@@ -92,7 +92,7 @@ class MoE(nn.Module):
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
                              cfg.scoring_func, cfg.topk_method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                              cfg.routed_scaling_factor, self.num_fused_shared)
-        out = routed_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = routed_experts(x, self.experts.w13, self.experts.w2, weights, ids, self.num_fused_shared)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -119,7 +119,19 @@ def test_one_token_moe_matches_reference(hidden, inter):
     x, w13, w2, weights, ids = inputs(1, 8, 3, hidden, inter, seed=hidden)
     config = OneTokenConfig(gate_n=16, down_n=16, block_k=16, num_warps=4, num_stages=1)  # several tiles each
     ref = experts_torch(x, w13, w2, weights, ids)
-    assert max_rel_error(one_token_moe(x, w13, w2, weights, ids, config), ref) <= 1e-5
+    assert max_rel_error(one_token_moe(x, w13, w2, weights, ids, config=config), ref) <= 1e-5
+
+
+@in_process
+@pytest.mark.parametrize("shared", [1, 2])
+def test_one_token_fused_shared_experts(shared):
+    """num_shared = S: the token's last S pairs are experts E - S..E - 1 with weight 1, which the gate_up
+    kernel takes without reading ids; a wrong expert there would change the output."""
+    x, w13, w2, weights, ids = inputs(1, 8, 3 + shared, 64, 48, seed=shared, spread=8 - shared)
+    ids[:, 3:] = torch.arange(8 - shared, 8, device=DEVICE)
+    weights[:, 3:] = 1.0
+    ref = experts_torch(x, w13, w2, weights, ids)
+    assert max_rel_error(fused_moe(x, w13, w2, weights, ids, num_shared=shared), ref) <= 1e-5
 
 
 @in_process
@@ -169,6 +181,9 @@ def test_fused_moe_rejects_bad_inputs():
         fused_moe(x, w13[:, :, :32], w2, weights, ids)
     with pytest.raises(ValueError, match="dtypes differ"):
         fused_moe(x.half(), w13, w2, weights, ids)
+    for bad in (-1, 2):  # no routed pair would be left at 2
+        with pytest.raises(ValueError, match=f"num_shared={bad}"):
+            fused_moe(x, w13, w2, weights, ids, num_shared=bad)
     with pytest.raises(ValueError, match="block_k=24"):
         FusedMoEConfig(block_m=16, block_n=32, block_k=24, num_warps=4, num_stages=1)
 
@@ -394,22 +409,26 @@ def test_cuda_graph_replay_gpu(layer, tokens):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_one_token_layers_chained_in_a_cuda_graph_gpu(layer):
+@pytest.mark.parametrize("shared", [0, 2])
+def test_one_token_layers_chained_in_a_cuda_graph_gpu(layer, shared):
     """A decode step's MoE layers at one token, as the engine runs them: the router's GEMV, the
     selection, gate_up and down, each a programmatic dependent of the one before (sm90+) that may
     launch before it finishes, then the residual add, for four layers whose input is the last one's
     output. Every kernel must read what the kernel before it wrote only once it is written: replay
-    after replay, on new inputs, the graph equals eager calls bit for bit."""
+    after replay, on new inputs, the graph equals eager calls bit for bit. With S shared experts fused
+    (the layer's last S, routed over the others), their gate_up programs compute before the selection
+    ends: the same bits as every program waiting first (the op told of no shared experts)."""
     w13, w2 = layer("v2-lite")
     k, scoring, method, groups, top_groups, norm, scale, experts, _ = ROUTINGS["v2-lite"]
     gen = torch.Generator(device="cuda").manual_seed(5)
-    routers = [torch.randn(experts, 2048, generator=gen, device="cuda").bfloat16() * 2048 ** -0.5 for _ in range(4)]
+    routers = [torch.randn(experts - shared, 2048, generator=gen, device="cuda").bfloat16() * 2048 ** -0.5
+               for _ in range(4)]
 
-    def layers(x):
+    def layers(x, early=shared):
         for router in routers:
             weights, ids = torch.ops.encore.route(x, router, None, k, scoring, method, groups, top_groups, norm,
-                                                  scale, 0)
-            x = x + torch.ops.encore.routed_experts(x, w13, w2, weights, ids)
+                                                  scale, shared)
+            x = x + torch.ops.encore.routed_experts(x, w13, w2, weights, ids, early)
         return x
 
     static = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
@@ -422,6 +441,7 @@ def test_one_token_layers_chained_in_a_cuda_graph_gpu(layer):
         x = bf16_routing(1, "v2-lite", seed=10 + seed)[0]
         static.copy_(x)
         eager = layers(x)
+        assert torch.equal(eager, layers(x, early=0)), seed
         for _ in range(10):
             out.zero_()
             graph.replay()
@@ -441,7 +461,7 @@ def test_op_dispatch_by_pairs_gpu(layer, dtype):
         x = x.to(dtype)
         grouped = dtype == torch.bfloat16 and ids.numel() > FUSED_MOE_MAX_PAIRS
         want = (experts_grouped if grouped else fused_moe)(x, w13, w2, weights, ids)
-        assert torch.equal(torch.ops.encore.routed_experts(x, w13, w2, weights, ids), want), (tokens, grouped)
+        assert torch.equal(torch.ops.encore.routed_experts(x, w13, w2, weights, ids, 0), want), (tokens, grouped)
 
 
 @pytest.mark.gpu
