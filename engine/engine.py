@@ -83,9 +83,11 @@ class Engine:
 
     def __init__(self, model: str | None = None, device: str = "auto",
                  on_graph_key: Callable[[int, int, KeyReport], None] | None = None,
+                 on_progress: Callable[[str], None] | None = None,
                  build_model: ModelBuilder | None = None, **options) -> None:
         """``on_graph_key(done, total, report)`` is called as each graph key is compiled/captured at
-        start-up (progress for ``encore serve``); ``build_model`` replaces loading the weights of
+        start-up, ``on_progress(line)`` as the kernel warm-up starts and ends (progress for ``encore
+        serve``); ``build_model`` replaces loading the weights of
         ``model`` (whose config.json still shapes it: benchmarks build random weights on the GPU);
         ``options`` are EngineConfig's fields."""
         if device == "auto":
@@ -105,9 +107,14 @@ class Engine:
         progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
         self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step
         start = time.perf_counter()
+        if on_progress and self.runner.device.type == "cuda":
+            on_progress("warming up the kernels an eager step can launch")
         warm_steps = self.runner.warm_up_kernels(self.config)  # and every kernel an eager step can launch
         if warm_steps:
-            log.info("kernel warm-up: %d eager steps in %.1fs", warm_steps, time.perf_counter() - start)
+            done = f"kernel warm-up: {warm_steps} eager steps in {time.perf_counter() - start:.1f}s"
+            log.info(done)
+            if on_progress:
+                on_progress(done)
         spec = self.config.speculative
         self.speculator = Speculator(spec, self.runner, self.model_config.vocab_size) if spec else None
         # A model drafter's KV at a page's last slot depends on the token after the page (kv_cache).

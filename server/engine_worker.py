@@ -65,7 +65,8 @@ def _run(engine_kwargs: dict, inbox: MessageReader, outbox: MessageWriter,
                                  f"captured in {report.capture_s:.2f}s"))
 
         # The server detokenizes (module docstring).
-        engine = engine_factory(**engine_kwargs, detokenize=False, on_graph_key=on_graph_key)
+        engine = engine_factory(**engine_kwargs, detokenize=False, on_graph_key=on_graph_key,
+                                on_progress=lambda line: outbox.send(Progress(line)))
         outbox.send(Progress("warming up (one prefill and one decode step)"))
         engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         freeze_start_up_heap()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -36,7 +37,9 @@ def test_scratch_batch_rejects_a_table_too_narrow_for_its_rows():
 
 
 def test_warm_up_runs_nothing_off_cuda(v3_dir):
-    engine = Engine(str(v3_dir), device="cpu", page_size=4)
+    lines = []
+    engine = Engine(str(v3_dir), device="cpu", page_size=4, on_progress=lines.append)
+    assert lines == []  # no warm-up to report
     assert engine.runner.warm_up_kernels(engine.config) == 0
     assert engine.stats()["kernel_compiles"] == 0
 
@@ -47,8 +50,9 @@ CHILD = r"""
 import json, sys
 from encore.engine import Engine, SamplingParams
 
+progress = []
 engine = Engine(device="cuda", max_num_seqs=64, num_kv_pages=4096, compile=False, cuda_graphs=False,
-                **{"dtype": "float32", **json.loads(sys.argv[1])})
+                on_progress=progress.append, **{"dtype": "float32", **json.loads(sys.argv[1])})
 start = engine.stats()
 params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 n = 0
@@ -61,7 +65,7 @@ for sizes in ((20, 30, 14), (7, 45, 12), (64,), (3, 5, 9), (1,)):
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-print(json.dumps({"start": start, "end": engine.stats()}))
+print(json.dumps({"start": start, "end": engine.stats(), "progress": progress}))
 """
 
 
@@ -78,6 +82,9 @@ def test_eager_steps_of_any_shape_compile_no_kernel_gpu(options):
     assert child.returncode == 0, child.stderr[-5000:]
     stats = json.loads(child.stdout.strip().splitlines()[-1])
     start, end = stats["start"], stats["end"]
+    first, last = stats["progress"]  # encore serve's lines around the warm-up
+    assert first.startswith("warming up the kernels")
+    assert re.fullmatch(r"kernel warm-up: \d+ eager steps in [\d.]+s", last), last
     assert end["eager_steps"] - start["eager_steps"] > 20 and end["steps"]["MIXED"] > 0, end
     assert start["kernel_compiles"] == end["kernel_compiles"] == 0, end
     assert end["kv_pages_free"] == end["kv_pages_total"]
