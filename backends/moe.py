@@ -174,7 +174,8 @@ def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     reads cost nothing there); CUDA: a capturable kernel — the Triton fused MoE up to
     FUSED_MOE_MAX_PAIRS pairs and for every dtype ``torch._grouped_mm`` lacks, ``experts_grouped``
     for larger bf16 batches. ``num_shared``: the fused shared experts ending each token's pairs, as
-    ``route(..., num_shared)`` appends them (``moe_triton.fused_moe`` starts them early)."""
+    ``route(..., num_shared)`` appends them (``moe_triton.fused_moe`` starts them early, so with it
+    this op must follow ``route`` directly)."""
     return experts_torch(x, w13, w2, weights, ids)
 
 

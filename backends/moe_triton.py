@@ -11,12 +11,14 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
     sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
 
 One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
-nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves. It has
-no sum launch either: each down program counts its arrival on its column block (an atomic counter the
-gate_up kernel zeroed), and the block's last program sums the k pairs' values, so a decode step's MoE
-is two launches. On sm90+ both launch as programmatic dependents that wait before they read or write
-anything: gate_up while the routing selection runs (which releases it at its start), down as
-gate_up's weight reads end (session 23 had each kernel release the next at its start, and the step
+nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves (gate_up's
+fused shared-expert pairs know theirs). It has no sum launch either: each down program counts its
+arrival on its column block (an atomic counter the gate_up kernel zeroed), and the block's last
+program sums the k pairs' values, so a decode step's MoE is two launches. On sm90+ both launch as
+programmatic dependents: gate_up while the routing selection runs (which releases it once its own
+wait returns), its routed pairs' programs waiting before they read or write anything and its shared
+pairs' programs reading x and their weights first and waiting only before they write; down, which
+waits at its top, as gate_up's weight reads end (session 23 had each kernel release the next at its start, and the step
 got slower; benchmarks/README.md, "Session 30").
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
@@ -25,7 +27,7 @@ blocks number at most (T·k + m·(BM - 1)) // BM: both buffers have that static 
 reads the counts, so the four launches can be captured in a CUDA graph. Blocks past the real count
 have block_expert -1 and their programs return at once (the grid is the bound, not the count). On
 sm90+ the four launch as programmatic dependents that wait before they read or write anything, as
-one token's do: align releases gate_up at its start, gate_up and down release the next kernel as
+one token's down kernel and routed pairs do: align releases gate_up at its start, gate_up and down release the next kernel as
 their weight reads end, and the sum releases the kernel after it once it has read its pairs.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
@@ -315,9 +317,6 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
     if PDL:
         if routed:
             tl.extra.cuda.gdc_wait()
-    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters (pair 0 is routed: waited)
-        blocks = tl.arange(0, BLOCK_DOWN)
-        tl.store(ARRIVED + blocks, tl.zeros([BLOCK_DOWN], tl.int32), mask=blocks < DOWN_BLOCKS)
     expert = tl.where(routed, tl.load(IDS + pair, mask=routed, other=0), FIRST_SHARED - ROUTED + pair.to(tl.int64))
     row = tl.arange(0, 16)[:, None]  # [16, 1]
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
@@ -337,8 +336,12 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
         acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads end
         tl.extra.cuda.gdc_launch_dependents()
-        if not routed:  # the selection's kernel may still run: INTER may be memory it is freeing
+        if not routed:  # the selection may still run, reading the router's logits, memory that the
+            # route op freed on return and that INTER or ARRIVED may reuse
             tl.extra.cuda.gdc_wait()
+    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters, one per column block
+        blocks = tl.arange(0, BLOCK_DOWN)
+        tl.store(ARRIVED + blocks, tl.zeros([BLOCK_DOWN], tl.int32), mask=blocks < DOWN_BLOCKS)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
     tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
 
@@ -376,7 +379,7 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: t
 
 
 def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  num_shared: int = 0, config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
+                  num_shared: int = 0, *, config: OneTokenConfig = ONE_TOKEN) -> torch.Tensor:
     """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in two launches."""
     pairs = ids.shape[1]
     inter, hidden = w2.shape[2], x.shape[1]
@@ -409,13 +412,16 @@ def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.T
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              num_shared: int = 0, config: FusedMoEConfig | None = None) -> torch.Tensor:
+              num_shared: int = 0, *, config: FusedMoEConfig | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU. x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous, x's dtype), weights
     [T, k] float32, ids [T, k] int64 (0 <= id < E; checking would read the device) -> [T, H] in x's
     dtype. No host reads: capturable in a CUDA graph. ``config`` None: ``one_token_moe`` for one token,
     else the blocked kernels with ``default_config(T, dtype)``. ``num_shared`` = S promises that each
     token's last S pairs are experts E - S..E - 1 with weight 1 (``moe.with_shared_experts``), so one
-    token's kernel starts them before the selection ends; the blocked kernels take them as any pair."""
+    token's kernel starts them before the selection ends; the blocked kernels take them as any pair.
+    With S > 0 on sm90+, one token's x must be complete when this launches: its shared pairs read x
+    before their programmatic wait, which holds right after ``encore::route`` (its selection releases
+    this kernel only once its own wait returns), not after a kernel that releases before it writes x."""
     _check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
            "last dim contiguous")
     tokens, hidden = x.shape

@@ -441,7 +441,8 @@ def test_one_token_layers_chained_in_a_cuda_graph_gpu(layer, shared):
         x = bf16_routing(1, "v2-lite", seed=10 + seed)[0]
         static.copy_(x)
         eager = layers(x)
-        assert torch.equal(eager, layers(x, early=0)), seed
+        if shared:
+            assert torch.equal(eager, layers(x, early=0)), seed
         for _ in range(10):
             out.zero_()
             graph.replay()
