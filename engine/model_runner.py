@@ -113,12 +113,31 @@ def same_ptxas_as_inductor(device: torch.device) -> None:
         _set_triton_ptxas_path()
 
 
+def one_triton_cache(device: torch.device) -> None:
+    """Pins Triton's cache directory (``TRITON_CACHE_DIR``) to Triton's default before any kernel
+    compiles, unless the user set one, so that every start looks encore's kernels up where the
+    starts before it cached them. Inductor points it, for the rest of the process, at its own cache
+    directory (the graph cache's, per identity) when the process first builds one of Inductor's
+    kernel autotuners itself: a warm start, which loads Inductor's kernels in its own process, and
+    not a cold one, whose compile workers build them and send them back pickled (torch's
+    ``async_compile.triton``). A cold start thus cached encore's kernels in Triton's directory and
+    the next start looked in the graph cache's; a V2-Lite-shape server's second start on an H200 spent
+    44 s before its warm-up step, against 0.7 s for an engine whose kernels were found
+    (benchmarks/README.md, "Session 33"). Inductor's kernels share the directory, keyed by their
+    source as Triton keys every kernel."""
+    if device.type == "cuda" and "TRITON_CACHE_DIR" not in os.environ:
+        import triton
+
+        os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  build_model: ModelBuilder | None = None) -> None:
         """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
         self.device = torch.device(config.device)
         same_ptxas_as_inductor(self.device)  # before any Triton kernel compiles
+        one_triton_cache(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         expandable_segments(self.device)  # before the weights and the KV pool take their memory
         cfg = model_config

@@ -1,9 +1,11 @@
-"""model_runner.same_ptxas_as_inductor: an engine's Triton kernels are keyed on torch's ptxas from its
-first compile on, whatever compiles first, so a warm start finds the kernels a cold start cached."""
+"""model_runner.same_ptxas_as_inductor and one_triton_cache: an engine's Triton kernels are keyed on
+torch's ptxas from its first compile on, whatever compiles first, and cached in one directory whatever
+Inductor does, so a warm start finds the kernels a cold start cached."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from encore.engine.model_runner import same_ptxas_as_inductor
+from encore.engine.model_runner import one_triton_cache, same_ptxas_as_inductor
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,3 +57,49 @@ def test_kernels_are_keyed_on_torchs_ptxas_gpu():
     assert got["ptxas_env"] == str(ptxas)
     assert got["keyed_on"] == subprocess.run([str(ptxas), "--version"], capture_output=True, text=True,
                                              check=True).stdout
+
+
+def test_a_cuda_engine_pins_tritons_cache_directory_unless_set(monkeypatch, tmp_path):
+    import triton
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    one_triton_cache(torch.device("cpu"))
+    assert "TRITON_CACHE_DIR" not in os.environ
+    one_triton_cache(torch.device("cuda", 0))
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache") == triton.knobs.cache.dir
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    one_triton_cache(torch.device("cuda", 0))
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+# One start of a compiled, graph-capturing engine (a few keys) on the graph cache in argv[1].
+START = r"""
+import sys
+from encore.engine import Engine
+
+Engine(device="cuda", num_kv_pages=256, graph_cache_dir=sys.argv[1], graph_decode_sizes=(1, 2),
+       graph_mixed_extends=(), graph_extend_sizes=(1,), graph_prefill_tokens=(128,))
+"""
+
+
+def cubins(root: Path) -> set[Path]:
+    return set(root.rglob("*.cubin"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_warm_start_compiles_no_triton_kernel_gpu(tmp_path):
+    """A cold start (empty graph cache: Inductor compiles in its workers), then a warm one (Inductor
+    loads its kernels in the engine's process): the warm start must find every Triton kernel, encore's
+    kernel warm-up included, where the cold start cached it, and compile none. Triton's and the graph
+    cache's directories both live under tmp_path, so a kernel compiled again anywhere shows."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env["TRITON_HOME"] = str(tmp_path / "home")
+    graphs = tmp_path / "graphs"
+    for start in ("cold", "warm"):
+        before = cubins(tmp_path)
+        child = subprocess.run([sys.executable, "-c", START, str(graphs)], capture_output=True, text=True,
+                               timeout=900, env=env)
+        assert child.returncode == 0, (start, child.stderr[-5000:])
+    assert before and cubins(tmp_path) == before, sorted(p.name for p in cubins(tmp_path) - before)
