@@ -18,8 +18,8 @@ program sums the k pairs' values, so a decode step's MoE is two launches. On sm9
 programmatic dependents: gate_up while the routing selection runs (which releases it once its own
 wait returns), its routed pairs' programs waiting before they read or write anything and its shared
 pairs' programs reading x and their weights first and waiting only before they write; down, which
-waits at its top, as gate_up's weight reads end (session 23 had each kernel release the next at its start, and the step
-got slower; benchmarks/README.md, "Session 30").
+waits at its top, as gate_up's weight reads end (session 23 had each kernel release the next at its
+start, and the step got slower; benchmarks/README.md, "Session 30").
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
@@ -27,8 +27,9 @@ blocks number at most (T·k + m·(BM - 1)) // BM: both buffers have that static 
 reads the counts, so the four launches can be captured in a CUDA graph. Blocks past the real count
 have block_expert -1 and their programs return at once (the grid is the bound, not the count). On
 sm90+ the four launch as programmatic dependents that wait before they read or write anything, as
-one token's down kernel and routed pairs do: align releases gate_up at its start, gate_up and down release the next kernel as
-their weight reads end, and the sum releases the kernel after it once it has read its pairs.
+one token's down kernel and routed pairs do: align releases gate_up at its start, gate_up and down
+release the next kernel as their weight reads end, and the sum releases the kernel after it once it
+has read its pairs.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
 the k pairs runs in a fixed order (the one-token arrival counter only picks which program sums, not

@@ -314,10 +314,8 @@ class Engine:
         """While ``req`` is short of its ``min_tokens``: its stop tokens (EOS unless ``ignore_eos``, and
         its ``stop_token_ids``), banned from that many of its next positions. EOS ids past the
         vocabulary (a tokenizer's or generation config's) cannot be sampled and are left out."""
-        if not req.params.bans_stop_tokens:  # first: every row of every masked step asks
-            return None
-        short = req.params.min_tokens - req.num_output_tokens
-        if short <= 0:
+        short = req.num_banned_positions
+        if not short:
             return None
         eos = () if req.params.ignore_eos else self.eos_token_ids
         tokens = tuple(sorted(t for t in {*eos, *req.params.stop_token_ids} if t < self.model_config.vocab_size))

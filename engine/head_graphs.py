@@ -37,7 +37,7 @@ def plain_greedy(rows: Sequence[Request]) -> bool:
     greedy, no penalties, no logprobs, no grammar, none short of its ``min_tokens`` (whose stop
     tokens are masked)."""
     return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None and r.grammar is None
-               and not (r.params.bans_stop_tokens and r.num_output_tokens < r.params.min_tokens) for r in rows)
+               and not r.num_banned_positions for r in rows)
 
 
 class HeadGraphs:

@@ -96,39 +96,31 @@ def serial_host_ops(device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
-def same_ptxas_as_inductor(device: torch.device) -> None:
-    """Points Triton at the ptxas Inductor compiles with (torch's own, ``TRITON_PTXAS_PATH``) before
-    any kernel compiles, so that every start of an engine keys its kernels alike. Triton keys each
-    kernel it caches on the version of the ptxas its process ran first (``get_ptxas_version`` is
-    cached for the process), and Inductor switches a process to torch's ptxas only where that process
-    itself compiles or loads one of Inductor's kernels. A cold start compiles them in Inductor's
-    worker processes, so its own process ran encore's kernels under Triton's bundled ptxas and cached
-    them under that version; a warm start loads Inductor's kernels in its own process before encore's
-    first run, looked encore's up under torch's ptxas, missed every one and compiled them again
-    (benchmarks/README.md, "Session 28": ~8 s of a 24 s warm start on an H200). A ptxas the user set
-    is kept."""
-    if device.type == "cuda":
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+def triton_as_every_start(device: torch.device) -> None:
+    """Fixes, before any kernel compiles, the two process-wide Triton settings that Inductor changes
+    only in a process that itself builds or loads one of its kernels: a warm start (Inductor's kernels
+    load in the engine's process before encore's first run), not a cold one (its compile workers build
+    them and send them back pickled, torch's ``async_compile.triton``). Left to Inductor, a cold start
+    cached encore's kernels under one setting and the next start looked them up under the other,
+    missed every one and compiled them again. So every start keys and finds its kernels alike:
 
-        _set_triton_ptxas_path()
+    - ptxas: torch's own (``TRITON_PTXAS_PATH``), as Inductor compiles with. Triton keys each kernel
+      on the version of the ptxas its process ran first (benchmarks/README.md, "Session 28": ~8 s of a
+      24 s warm start on an H200).
+    - the cache directory: Triton's default (``TRITON_CACHE_DIR``), where Inductor would point it at
+      the graph cache's, per identity (most likely why a V2-Lite-shape server's second start on an
+      H200 spent 44 s before its warm-up step, against 0.7 s for an engine whose kernels were found;
+      not yet measured with this setting; benchmarks/README.md, "Session 33"). Inductor's kernels
+      share it, keyed by their source as Triton keys every kernel.
 
+    A ptxas or a cache directory the user set is kept."""
+    if device.type != "cuda":
+        return
+    import triton
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
 
-def one_triton_cache(device: torch.device) -> None:
-    """Pins Triton's cache directory (``TRITON_CACHE_DIR``) to Triton's default before any kernel
-    compiles, unless the user set one, so that every start looks encore's kernels up where the
-    starts before it cached them. Inductor points it, for the rest of the process, at its own cache
-    directory (the graph cache's, per identity) when the process first builds one of Inductor's
-    kernel autotuners itself: a warm start, which loads Inductor's kernels in its own process, and
-    not a cold one, whose compile workers build them and send them back pickled (torch's
-    ``async_compile.triton``). A cold start thus cached encore's kernels in Triton's directory and
-    the next start looked in the graph cache's; a V2-Lite-shape server's second start on an H200 spent
-    44 s before its warm-up step, against 0.7 s for an engine whose kernels were found
-    (benchmarks/README.md, "Session 33"). Inductor's kernels share the directory, keyed by their
-    source as Triton keys every kernel."""
-    if device.type == "cuda" and "TRITON_CACHE_DIR" not in os.environ:
-        import triton
-
-        os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir
+    _set_triton_ptxas_path()
+    os.environ.setdefault("TRITON_CACHE_DIR", triton.knobs.cache.dir)
 
 
 class ModelRunner:
@@ -136,8 +128,7 @@ class ModelRunner:
                  build_model: ModelBuilder | None = None) -> None:
         """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
         self.device = torch.device(config.device)
-        same_ptxas_as_inductor(self.device)  # before any Triton kernel compiles
-        one_triton_cache(self.device)
+        triton_as_every_start(self.device)  # before any Triton kernel compiles
         self.dtype = resolve_dtype(config.dtype, self.device)
         expandable_segments(self.device)  # before the weights and the KV pool take their memory
         cfg = model_config

@@ -69,6 +69,14 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_banned_positions(self) -> int:
+        """How many of the next tokens may not be a stop token: those short of ``min_tokens`` where it
+        bans any (``SamplingParams.bans_stop_tokens``), else 0."""
+        if not self.params.bans_stop_tokens:  # first: every row of every masked step asks
+            return 0
+        return max(0, self.params.min_tokens - self.num_output_tokens)
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

@@ -5,7 +5,7 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
     <identity hash>/manifest.json    keys with first-call / capture times, graphs compiled and graph-pool
                                      growth, and a summary per graph family
     <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels; their
-                                     Triton binaries in Triton's own cache, ``model_runner.one_triton_cache``)
+                                     Triton binaries in Triton's own cache, ``model_runner.triton_as_every_start``)
     <identity hash>/precompiled/kv_pages-<N>/  one precompiled graph per family (graphs/compiler.py), per
                                      KV pool size (``GraphCache.precompiled_dir``)
     <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed

@@ -169,8 +169,8 @@ class RequestStream:
         eos = self.eos_token_ids
         if self.detokenizer.stop:  # token by token, to end at the one that completes a stop string
             for i, token in enumerate(tokens):
-                if (token not in eos
-                        and self.detokenizer.add([token], self.num_output_tokens + i + 1 > self.min_tokens) is not None):
+                match = self.num_output_tokens + i + 1 > self.min_tokens  # past min_tokens: a stop string ends it
+                if token not in eos and self.detokenizer.add([token], match) is not None:
                     del tokens[i + 1:], logprobs[i + 1:]
                     self.stopped_early = reason is None
                     reason = "stop"

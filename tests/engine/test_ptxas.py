@@ -1,6 +1,6 @@
-"""model_runner.same_ptxas_as_inductor and one_triton_cache: an engine's Triton kernels are keyed on
-torch's ptxas from its first compile on, whatever compiles first, and cached in one directory whatever
-Inductor does, so a warm start finds the kernels a cold start cached."""
+"""model_runner.triton_as_every_start: an engine's Triton kernels are keyed on torch's ptxas from its
+first compile on, whatever compiles first, and cached in one directory whatever Inductor does, so a
+warm start finds the kernels a cold start cached."""
 
 from __future__ import annotations
 
@@ -13,20 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from encore.engine.model_runner import one_triton_cache, same_ptxas_as_inductor
+from encore.engine.model_runner import triton_as_every_start
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_only_a_cuda_engine_sets_the_ptxas(monkeypatch):
+def test_only_a_cuda_engine_sets_the_ptxas_and_pins_the_cache_directory_unless_set(monkeypatch, tmp_path):
     import torch._inductor.runtime.compile_tasks as compile_tasks
+    import triton
 
     calls = []
     monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: calls.append(1))
-    same_ptxas_as_inductor(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # recorded, so the variable is restored (here: removed) after
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    triton_as_every_start(torch.device("cpu"))
     assert calls == []
-    same_ptxas_as_inductor(torch.device("cuda", 0))
+    assert "TRITON_CACHE_DIR" not in os.environ
+    triton_as_every_start(torch.device("cuda", 0))
     assert calls == [1]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache") == triton.knobs.cache.dir
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    triton_as_every_start(torch.device("cuda", 0))
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 # A fresh process, and no graph compiled: Inductor never runs, so only the engine can have switched
@@ -57,20 +66,6 @@ def test_kernels_are_keyed_on_torchs_ptxas_gpu():
     assert got["ptxas_env"] == str(ptxas)
     assert got["keyed_on"] == subprocess.run([str(ptxas), "--version"], capture_output=True, text=True,
                                              check=True).stdout
-
-
-def test_a_cuda_engine_pins_tritons_cache_directory_unless_set(monkeypatch, tmp_path):
-    import triton
-
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
-    one_triton_cache(torch.device("cpu"))
-    assert "TRITON_CACHE_DIR" not in os.environ
-    one_triton_cache(torch.device("cuda", 0))
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache") == triton.knobs.cache.dir
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
-    one_triton_cache(torch.device("cuda", 0))
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 # One start of a compiled, graph-capturing engine (a few keys) on the graph cache in argv[1].
