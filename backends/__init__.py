@@ -1,1 +1,3 @@
 """encore.backends"""
+
+BACKENDS = ("auto", "torch", "triton", "flashinfer")  # EngineConfig.attention_backend's values

@@ -6,12 +6,11 @@ import logging
 
 import torch
 
+from encore.backends import BACKENDS
 from encore.backends.base import AttentionBackend, MLADims
 from encore.backends.torch_backend import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def select_backend(name: str, device: torch.device, dims: MLADims, dtype: torch.dtype) -> type[AttentionBackend]:

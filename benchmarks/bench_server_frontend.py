@@ -26,6 +26,7 @@ from bench_server import median_row, prompts, run_clients
 from encore.models.tiny import default_model_dir
 from encore.protos.encore.v1 import generate_pb2 as pb
 from encore.server.config import ServerConfig
+from encore.server.engine_spawn import spawn_engine
 from encore.server.server import EncoreServer
 from encore.server.servicer import SERVICE_NAME
 from paced_engine import PacedEngine
@@ -90,7 +91,7 @@ def bare_server(step_s: float, listeners: int) -> tuple[Callable, Callable]:
 def encore_server(step_s: float, clients: int, listeners: int) -> tuple[Callable, Callable]:
     kwargs = {"model": str(default_model_dir()), "device": "cpu", "dtype": "float32", "max_num_seqs": clients,
               "num_kv_pages": 64, "max_model_len": 256, "step_s": step_s}
-    server = EncoreServer(ServerConfig(port=0, listeners=listeners), kwargs, PacedEngine)
+    server = EncoreServer(ServerConfig(port=0, listeners=listeners), kwargs, spawn_engine(kwargs, PacedEngine))
 
     async def start() -> str:
         await server.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from encore.backends.selection import BACKENDS
+from encore.backends import BACKENDS
 from encore.engine.spec.config import SpecConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")

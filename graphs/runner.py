@@ -52,6 +52,11 @@ class KeyReport:
         """Whether this key's first call built its family's graph (compiled or loaded it)."""
         return bool(self.graphs_compiled or self.graphs_loaded)
 
+    @property
+    def first_call(self) -> str:
+        """What this key's first call did: compiled its family's graph, loaded it precompiled, or only ran it."""
+        return "compile" if self.graphs_compiled else "load" if self.graphs_loaded else "run"
+
 
 @dataclass(slots=True)
 class _Captured:
@@ -108,7 +113,7 @@ class GraphRunner:
                 capture_s, pool_bytes = self._capture(key, static) if self.cuda_graphs else (0.0, 0)
             report = KeyReport(key, compile_s, capture_s, pool_bytes, after[0] - before[0], after[1] - before[1])
             log.info("graph key %d/%d %s: %s %.1fs, capture %.2fs, pool +%.1f MiB", index + 1, len(self.keys), key,
-                     first_call(report), compile_s, capture_s, pool_bytes / 2**20)
+                     report.first_call, compile_s, capture_s, pool_bytes / 2**20)
             reports.append(report)
             if on_key is not None:
                 on_key(index, report)
@@ -168,11 +173,6 @@ class GraphRunner:
             return None
         self.compiled_steps += 1
         return hidden, key
-
-
-def first_call(report: KeyReport) -> str:
-    """What a key's first call did: compiled its family's graph, loaded it precompiled, or only ran it."""
-    return "compile" if report.graphs_compiled else "load" if report.graphs_loaded else "run"
 
 
 def warm_up_on_side_stream(fn: Callable[[], object], runs: int = 2) -> None:

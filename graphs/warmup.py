@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, TextIO
 
 from encore.engine.cli_options import add_engine_args, engine_kwargs
 from encore.engine.config import EngineConfig
-from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
-from encore.graphs.keys import GraphKey
-from encore.graphs.runner import KeyReport, first_call
 
-if TYPE_CHECKING:  # the engine is imported when a warm-up runs, not with the CLI
+if TYPE_CHECKING:  # torch and the engine are imported when a command runs, not with the CLI
     from encore.engine.model_runner import ModelRunner
     from encore.graphs.compiler import CompileRecord
+    from encore.graphs.keys import GraphKey
+    from encore.graphs.runner import KeyReport
 
 
 class Progress:
@@ -59,7 +58,7 @@ class Progress:
         width = 24
         filled = width * done // total
         line = (f"[{'#' * filled}{'.' * (width - filled)}] key {done}/{total} {report.key} "
-                f"{first_call(report)} {report.compile_s:.1f}s "
+                f"{report.first_call} {report.compile_s:.1f}s "
                 f"capture {report.capture_s:.2f}s | elapsed {_clock(elapsed)} | ETA {_clock(eta)}")
         end = "\n" if not self.tty or done == total else ""
         self.out.write(("\r\x1b[2K" if self.tty else "") + line + end)
@@ -119,6 +118,8 @@ def _prepare_drafter(config: EngineConfig, runner: ModelRunner, vocab_size: int)
 def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None) -> list[dict]:
     """Prints every manifest under the cache root (one block per model + configuration); returns them.
     An unreadable manifest is reported, not raised: ``warmup`` or an engine start rebuilds it."""
+    from encore.graphs.cache import MANIFEST_FORMAT, default_cache_root
+
     out = out if out is not None else sys.stdout
     root = Path(cache_dir) if cache_dir else default_cache_root()
     manifests = []

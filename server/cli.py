@@ -22,6 +22,7 @@ import time
 from encore.engine.cli_options import add_engine_args, engine_kwargs
 from encore.graphs.warmup import add_graphs_subcommands
 from encore.server.config import ServerConfig
+from encore.server.engine_spawn import spawn_engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,15 +87,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run_server(config: ServerConfig, kwargs: dict) -> int:
+    began = time.monotonic()
+    engine = spawn_engine(kwargs)  # before the server's imports, which its own then overlap (engine_spawn.py)
     from encore.server.engine_process import EngineStartError
     from encore.server.server import EncoreServer
 
-    began = time.monotonic()
-    server = EncoreServer(config, kwargs)
+    server = EncoreServer(config, kwargs, engine)
     try:
         await server.start()
     except RuntimeError as exc:
         print(f"encore serve: {exc}", file=sys.stderr)
+        await server.stop()
         return 1
     print(f"encore: listening on {server.address} ({'TLS' if config.tls else 'plaintext'}); "
           f"health is NOT_SERVING until the engine has warmed up", flush=True)

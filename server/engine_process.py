@@ -1,7 +1,7 @@
-"""The server's handle on the engine process: starts it, sends it commands, routes its outputs.
+"""The server's handle on the engine process (started by ``engine_spawn``): waits for its warm-up,
+sends it commands, routes its outputs.
 
-The process is started with the "spawn" context (a fresh interpreter: no forked CUDA or gRPC
-state). Commands and outputs travel over two pipes (``message_pipe``), both served by the event
+Commands and outputs travel over two pipes (``message_pipe``), both served by the event
 loop itself: a command is written as it is sent, or later when the pipe can take it
 (``loop.add_writer``); the output pipe is read when readable (``loop.add_reader``) and each message
 is routed to the ``RequestStream`` it belongs to — one wake-up per engine step, not per token, and
@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 from collections.abc import Callable
 
 import grpc
 
-from encore.engine import Engine, SamplingParams
-from encore.server.engine_worker import run_engine
+from encore.engine import SamplingParams
+from encore.server.engine_spawn import SpawnedEngine
 from encore.server.message_pipe import MessageReader, MessageWriter
 from encore.server.messages import (
     Abort, EngineInfo, EngineStats, Fatal, Progress, Ready, Rejected, Shutdown, StepFailed, StepResult, Submit,
@@ -42,15 +41,10 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, engine_kwargs: dict, engine_factory: Callable[..., Engine] = Engine) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        command_end, command_writer = ctx.Pipe(duplex=False)
-        output_reader, output_end = ctx.Pipe(duplex=False)
-        self._commands = MessageWriter(command_writer)
-        self._outputs = MessageReader(output_reader)
-        self._child_ends = (command_end, output_end)  # closed here once the process has its copies
-        self._process = ctx.Process(target=run_engine, args=(engine_kwargs, command_end, output_end, engine_factory),
-                                    name="encore-engine", daemon=True)
+    def __init__(self, spawned: SpawnedEngine) -> None:
+        self._process = spawned.process
+        self._commands = MessageWriter(spawned.commands)
+        self._outputs = MessageReader(spawned.outputs)
         self.streams: dict[str, RequestStream] = {}  # in flight, by the client's request id
         self._routes: dict[str, RequestStream] = {}  # the same, by engine request id
         self._submissions = itertools.count()
@@ -75,15 +69,12 @@ class EngineProcess:
 
     async def start(self, on_progress: Callable[[str], None] = lambda message: None,
                     on_death: Callable[[str], None] = lambda failure: None) -> EngineInfo:
-        """Spawns the process and waits until it has warmed up. ``on_death`` is called (on the
-        event loop) if it dies later. Raises EngineStartError if it cannot start."""
+        """Waits until the process has warmed up. ``on_death`` is called (on the event loop) if it dies
+        later. Raises EngineStartError if it cannot start."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
         self._exited = asyncio.Event()
         self._on_progress, self._on_death = on_progress, on_death
-        self._process.start()
-        for end in self._child_ends:  # else the pipes would not report the process's end
-            end.close()
         self._loop.add_reader(self._outputs.fileno(), self._read)
         self._loop.add_reader(self._process.sentinel, self._exit)
         return await self._started
@@ -109,9 +100,19 @@ class EngineProcess:
         self._routes.pop(stream.engine_id, None)
 
     async def stop(self) -> None:
+        """Lets a serving engine finish its step and exit. One still starting is killed at once: it reads
+        no command before it is ready, and has nothing in flight."""
         self._stopping = True
-        if self._exited is None or self._exited.is_set():
-            return  # never started, or already gone
+        if self._exited is None:  # never waited on
+            self._process.kill()
+            self._process.join()
+            return
+        if self._exited.is_set():
+            return
+        if self.info is None:
+            self._process.kill()
+            await self._exited.wait()
+            return
         self._send(Shutdown())
         try:
             await asyncio.wait_for(self._exited.wait(), _JOIN_S)

@@ -1,10 +1,10 @@
 """The gRPC server: generation service, health, reflection, API key, TLS, message limits, metrics.
 
 ``start()`` listens at once with health NOT_SERVING, so probes and clients get an answer while the
-engine loads; ``start_engine()`` spawns the engine process and turns health to SERVING once it has
-warmed up. If the engine process dies later, health goes back to NOT_SERVING and the server keeps
-answering: in-flight calls fail with INTERNAL, new ones get UNAVAILABLE, both saying it died; info
-and health calls still work so operators can see why.
+engine loads; ``start_engine()`` waits for the engine process (spawned before the server was built,
+engine_spawn.py) to warm up and turns health to SERVING. If the engine process dies later, health
+goes back to NOT_SERVING and the server keeps answering: in-flight calls fail with INTERNAL, new ones
+get UNAVAILABLE, both saying it died; info and health calls still work so operators can see why.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from encore.engine import Engine
 from encore.engine.engine import load_tokenizer
 from encore.server.auth import ApiKeyInterceptor
 from encore.server.config import ServerConfig
 from encore.server.engine_process import EngineProcess
+from encore.server.engine_spawn import SpawnedEngine
 from encore.server.messages import EngineInfo
 from encore.server.metrics import ServerMetrics, start_metrics_server
 from encore.server.servicer import SERVICE_NAME, GenerationServicer, method_handlers
@@ -35,10 +35,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class EncoreServer:
-    def __init__(self, config: ServerConfig, engine_kwargs: dict,
-                 engine_factory: Callable[..., Engine] = Engine) -> None:
+    def __init__(self, config: ServerConfig, engine_kwargs: dict, engine: SpawnedEngine) -> None:
+        """``engine``: the process ``spawn_engine(engine_kwargs, ...)`` started."""
         self.config = config
-        self.engine = EngineProcess(engine_kwargs, engine_factory)
+        self.engine = EngineProcess(engine)
         self.tokenizer = load_tokenizer(Path(engine_kwargs["model"]))
         self.metrics = ServerMetrics()
         self.servicer = GenerationServicer(config, self.engine, self.tokenizer, self.metrics)
@@ -93,7 +93,7 @@ class EncoreServer:
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
 
     async def start_engine(self, on_progress: Callable[[str], None] = lambda message: None) -> EngineInfo:
-        """Spawns the engine process, waits for its warm-up, then reports SERVING.
+        """Waits for the engine process's warm-up, then reports SERVING.
         Raises EngineStartError if it cannot start."""
         info = await self.engine.start(on_progress, on_death=self._engine_died)
         await self._set_health(SERVING)

@@ -1,7 +1,10 @@
-"""An Engine whose step fails while a request with the poison prompt is in it (spawned engine
-processes import this module by name, so it lives outside conftest)."""
+"""Engines that fail: one whose step fails while a request with the poison prompt is in it, one that
+never finishes starting (spawned engine processes import this module by name, so it lives outside
+conftest)."""
 
 from __future__ import annotations
+
+import threading
 
 from encore.engine import Engine
 
@@ -13,3 +16,10 @@ class FaultyEngine(Engine):
         if any(req.prompt_token_ids == POISON and not req.finished for req in self.requests.values()):
             raise RuntimeError("injected fault")
         return super().step()
+
+
+class StuckEngine:
+    """Never finishes starting, as an engine still loading its weights or compiling its graphs."""
+
+    def __init__(self, **kwargs) -> None:
+        threading.Event().wait()

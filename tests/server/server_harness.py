@@ -10,9 +10,9 @@ import time
 
 import grpc
 
-from encore.engine import Engine
 from encore.server.client import Client
 from encore.server.config import ServerConfig
+from encore.server.engine_spawn import spawn_engine
 from encore.server.server import EncoreServer
 
 API_KEY = "test-key"
@@ -28,11 +28,11 @@ def engine_kwargs(model_dir, **overrides) -> dict:
 class ServerThread:
     """Runs an EncoreServer on an event loop in a daemon thread; ``call`` runs a coroutine there."""
 
-    def __init__(self, config: ServerConfig, kwargs: dict, engine_factory=Engine) -> None:
+    def __init__(self, config: ServerConfig, kwargs: dict, engine_factory=None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.thread.start()
-        self.server = EncoreServer(config, kwargs, engine_factory)
+        self.server = EncoreServer(config, kwargs, spawn_engine(kwargs, engine_factory))
         self.progress: list[str] = []
 
     def call(self, coroutine, timeout: float = 120.0):
