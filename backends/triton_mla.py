@@ -316,15 +316,14 @@ def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits
 
 
 @kernel_variants.watched
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
-def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_tokens, num_splits, stride_wh, stride_wn, stride_ot,
-                                stride_oh, NUM_HEADS: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
-                                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                                CHUNK_S: tl.constexpr, PDL: tl.constexpr):
-    # Program (i, h): rows i·BLOCK_N.. of head h's W_vc [DV, R]. The weight is read into registers
-    # first (as a programmatic dependent: while the split kernel runs), then each token's merged latent
-    # of head h, rounded to the model's dtype as the unmerged path stores it, is multiplied against it:
-    # the GEMV of ``dense.project_values`` with the merge as its prologue. Every program of a head
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_splits, stride_wh, stride_wn, stride_oh,
+                                R: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr):
+    # One token. Program (i, h): rows i·BLOCK_N.. of head h's W_vc [DV, R]. The weight is read into
+    # registers first (as a programmatic dependent: while the split kernel runs), then the token's merged
+    # latent of head h, rounded to the model's dtype as the unmerged path stores it, is multiplied against
+    # it: the GEMV of ``dense.project_values`` with the merge as its prologue. Every program of a head
     # merges the head's splits itself (no second launch, no latent output in memory).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head = tl.program_id(1)
@@ -333,12 +332,10 @@ def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_tokens, num_splits
     row_ok = rows < DV
     w = preload_then_wait(W + head * stride_wh + rows[:, None] * stride_wn + c[None, :],
                           row_ok[:, None] & c_ok[None, :], PDL)
-    for t in range(num_tokens):
-        o = _merged(PART_O, PART_LSE, (t * NUM_HEADS + head) * num_splits, num_splits, c, c_ok, R, BLOCK_S, CHUNK_S,
-                    BLOCK_R)
-        o = o.to(W.dtype.element_ty).to(tl.float32)
-        acc = tl.sum(w * o[None, :], axis=1)
-        tl.store(OUT + t * stride_ot + head * stride_oh + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
+    o = _merged(PART_O, PART_LSE, head * num_splits, num_splits, c, c_ok, R, BLOCK_S, CHUNK_S, BLOCK_R)
+    o = o.to(W.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(w * o[None, :], axis=1)
+    tl.store(OUT + head * stride_oh + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
@@ -423,10 +420,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     if merge_values:
         block_n = max(1, min(_MERGE_VALUES_ROWS, _MERGE_VALUES_ELEMENTS // block_r))
         _decode_merge_values_kernel[(triton.cdiv(w_vc.shape[1], block_n), heads)](
-            part_o, part_lse, w_vc, out, tokens, num_kv_splits, w_vc.stride(0), w_vc.stride(1), out.stride(0),
-            out.stride(1), NUM_HEADS=heads, R=rank, DV=w_vc.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            BLOCK_S=block_s, CHUNK_S=min(block_s, _MERGE_TILE // block_r), PDL=pdl, num_warps=_MERGE_VALUES_WARPS,
-            launch_pdl=pdl)
+            part_o, part_lse, w_vc, out, num_kv_splits, w_vc.stride(0), w_vc.stride(1), out.stride(1), R=rank,
+            DV=w_vc.shape[1], BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_S=block_s,
+            CHUNK_S=min(block_s, _MERGE_TILE // block_r), PDL=pdl, num_warps=_MERGE_VALUES_WARPS, launch_pdl=pdl)
         return out
     if not direct:
         block_c = _merge_columns(tokens, heads, num_sms, block_r)
