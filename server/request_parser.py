@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from encore.engine import SamplingParams
-from encore.engine.engine import prompt_encoder
+from encore.engine.tokenizer import prompt_encoder
 from encore.engine.grammar import grammar_spec
 from encore.protos.encore.v1 import generate_pb2 as pb
 

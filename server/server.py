@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from encore.engine.engine import load_tokenizer
+from encore.engine.tokenizer import load_tokenizer
 from encore.server.auth import ApiKeyInterceptor
 from encore.server.config import ServerConfig
 from encore.server.engine_process import EngineProcess

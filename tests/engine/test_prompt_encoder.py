@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from encore.engine.engine import load_tokenizer, prompt_encoder
+from encore.engine.tokenizer import load_tokenizer, prompt_encoder
 from encore.models.tiny import default_model_dir
 
 TEXTS = ["def fibonacci(n):", "The quick brown fox", "Ünïcödé — 日本語 🙂", "  leading and trailing  ", "a\n\tb\r\n",

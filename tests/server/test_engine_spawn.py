@@ -1,5 +1,6 @@
-"""``encore serve`` spawns the engine process before it imports torch (engine_spawn.py), and a server
-stopped while its engine is still starting stops it at once."""
+"""``encore serve`` spawns the engine process before it imports torch (engine_spawn.py), the server
+process never imports the engine, and a server stopped while its engine is still starting stops it at
+once."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ cli.main(["serve", "--port", "0"])
 def test_serve_spawns_the_engine_before_it_imports_torch():
     child = subprocess.run([sys.executable, "-c", SPY], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+
+
+def test_the_server_process_imports_neither_the_engine_nor_dynamo():
+    code = ("import sys, encore.server.server; "
+            "sys.exit(sorted({'encore.engine.engine', 'torch._dynamo'} & set(sys.modules)) or None)")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
 
 
 def test_a_server_stopped_while_its_engine_starts_kills_it_at_once(v3_dir, caplog):

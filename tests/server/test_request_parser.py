@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from encore.engine.engine import load_tokenizer
+from encore.engine.tokenizer import load_tokenizer
 from encore.protos.encore.v1 import generate_pb2 as pb
 from encore.server.client import build_request
 from encore.server.request_parser import INLINE_TOKENIZE_CHARS, RequestError, RequestParser

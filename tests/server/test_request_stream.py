@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from encore.engine.detokenizer import IncrementalDetokenizer
-from encore.engine.engine import load_tokenizer
+from encore.engine.tokenizer import load_tokenizer
 from encore.models.tiny import default_model_dir
 from encore.server.messages import Delta
 from encore.server.request_stream import RequestStream, SendPacer
