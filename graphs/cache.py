@@ -8,7 +8,8 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
                                      Triton binaries in Triton's own cache, ``model_runner.triton_as_every_start``)
     <identity hash>/precompiled/kv_pages-<N>/  one precompiled graph per family (graphs/compiler.py), per
                                      KV pool size (``GraphCache.precompiled_dir``)
-    <identity hash>/flashinfer/      flashinfer's JIT builds, when flashinfer is installed
+    flashinfer/                      flashinfer's JIT builds, when flashinfer is installed and
+                                     FLASHINFER_WORKSPACE_BASE is not set (``GraphCache.active``)
 
 The identity is everything a compiled graph depends on: the model config, the engine settings that
 shape a graph (dtype, page size, backend, the keys), the encore / torch / triton / Python versions
@@ -189,24 +190,33 @@ class GraphCache:
         shutil.rmtree(self.root, ignore_errors=True)
         return None
 
+    @property
+    def flashinfer_dir(self) -> Path:
+        """flashinfer's JIT builds: one directory beside the identities, which all share it. flashinfer
+        keys a build on its own version and the GPU architecture and rebuilds a module whose sources or
+        flags changed (ninja), so nothing of encore's identity shapes it. Kept in the identity's
+        directory, they were built again for every new identity (any other graph key, page size or
+        encore version): 69 s of a cold V2-Lite start on an H200 (session 33)."""
+        return self.root.parent / "flashinfer"
+
     @contextmanager
     def active(self) -> Iterator[GraphCache]:
         """Compiles inside this block read and write this cache: Inductor's cache directory is pointed
-        here for the duration, and so is flashinfer's JIT directory (flashinfer resolves it when first
-        imported, so a flashinfer backend must import it lazily, inside the warm-up)."""
+        here for the duration, and flashinfer's JIT directory at ``flashinfer_dir`` unless
+        FLASHINFER_WORKSPACE_BASE is set (flashinfer resolves it when first imported, so a flashinfer
+        backend must import it lazily, inside the warm-up)."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         self.inductor_dir.mkdir(parents=True, exist_ok=True)
-        previous = os.environ.get("FLASHINFER_WORKSPACE_BASE")
-        os.environ["FLASHINFER_WORKSPACE_BASE"] = str(self.root / "flashinfer")
+        ours = "FLASHINFER_WORKSPACE_BASE" not in os.environ
+        if ours:
+            os.environ["FLASHINFER_WORKSPACE_BASE"] = str(self.flashinfer_dir)
         try:
             with temporary_cache_dir(str(self.inductor_dir)):
                 yield self
         finally:
-            if previous is None:
+            if ours:
                 os.environ.pop("FLASHINFER_WORKSPACE_BASE", None)
-            else:
-                os.environ["FLASHINFER_WORKSPACE_BASE"] = previous
 
     def write_manifest(self, reports: list) -> dict:
         """Records ``reports`` (graphs.runner.KeyReport, one per key) as this cache's manifest. A key's

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -203,3 +205,24 @@ def test_precompiled_graphs_are_kept_per_kv_pool(v3_dir, tmp_path):
     assert small.root == large.root and small.inductor_dir == large.inductor_dir
     assert small.precompiled_dir != large.precompiled_dir
     assert small.precompiled_dir == GraphCache.for_engine(config, model_config, 200).precompiled_dir
+
+
+def test_flashinfer_builds_go_beside_the_identities_unless_a_directory_is_set(v3_dir, tmp_path, monkeypatch):
+    """flashinfer keys its JIT builds itself (its version, the GPU architecture), so every identity shares
+    one directory under the cache root; a FLASHINFER_WORKSPACE_BASE the user set is left as it is."""
+    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
+    model_config = ModelConfig.from_pretrained(v3_dir)
+    caches = [GraphCache.for_engine(c, model_config, 64) for c in (config, dataclasses.replace(config, page_size=32))]
+    assert caches[0].root != caches[1].root
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", "")  # recorded, so the variable is restored (here: removed)
+    monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE")
+    seen = []
+    for cache in caches:
+        with cache.active():
+            seen.append(os.environ["FLASHINFER_WORKSPACE_BASE"])
+    assert seen == [str(tmp_path / "flashinfer")] * 2
+    assert "FLASHINFER_WORKSPACE_BASE" not in os.environ
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "mine"))
+    with caches[0].active():
+        assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "mine")
+    assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "mine")
