@@ -15,4 +15,5 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)  # found directly next time
+    return value

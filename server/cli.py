@@ -92,10 +92,15 @@ async def _run_server(config: ServerConfig, kwargs: dict) -> int:
     from encore.server.engine_process import EngineStartError
     from encore.server.server import EncoreServer
 
-    server = EncoreServer(config, kwargs, engine)
+    try:
+        server = EncoreServer(config, kwargs, engine)
+    except (OSError, ValueError) as exc:  # the model directory's tokenizer
+        print(f"encore serve: {exc}", file=sys.stderr)
+        engine.process.kill()
+        return 1
     try:
         await server.start()
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # a port taken, a certificate unreadable
         print(f"encore serve: {exc}", file=sys.stderr)
         await server.stop()
         return 1

@@ -20,7 +20,6 @@ import gc
 import logging
 import math
 import select
-import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -44,9 +43,8 @@ STATS_INTERVAL_S = 0.05
 
 def run_engine(engine_kwargs: dict, commands: Connection, outputs: Connection,
                engine_factory: Callable[..., Engine] = Engine) -> None:
-    """Entry point of the spawned engine process; ``commands`` and ``outputs`` are its ends of the pipes."""
-    # Ctrl-C reaches the whole process group; the server shuts the engine down with a Shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The engine process's work (``engine_spawn`` starts it); ``commands`` and ``outputs`` are its ends
+    of the pipes."""
     logging.basicConfig(level=logging.WARNING, format="encore engine: %(levelname)s %(message)s")
     outbox = MessageWriter(outputs)
     try:

@@ -7,6 +7,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -122,3 +123,18 @@ def test_engine_options_pass_through_and_unset_ones_keep_the_engine_defaults():
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "hi"])) == {"model": "m",
                                                                                           "device": "auto"}
     assert engine_kwargs(build_parser().parse_args(["serve"]))["model"] == str(default_model_dir())
+
+
+@pytest.mark.parametrize("taken", ["--port", "--metrics-port"])
+def test_serve_on_a_taken_port_exits_1_naming_it(v3_dir, taken):
+    """The engine process is already running then (engine_spawn.py): it is stopped, and the error is one line."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = str(holder.getsockname()[1])
+        ports = {"--port": "0", "--metrics-port": "0"} | {taken: port}
+        command = [sys.executable, "-m", "encore.server.cli", "serve", "--model", str(v3_dir), "--device", "cpu",
+                   "--listeners", "1", *(arg for flag, value in ports.items() for arg in (flag, value))]
+        child = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 1, child.stderr[-3000:]
+    assert "encore serve:" in child.stderr and port in child.stderr and "Traceback" not in child.stderr

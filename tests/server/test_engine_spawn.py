@@ -1,6 +1,6 @@
 """``encore serve`` spawns the engine process before it imports torch (engine_spawn.py), the server
-process never imports the engine, and a server stopped while its engine is still starting stops it at
-once."""
+process never imports the engine, a server stopped while its engine is still starting stops it at
+once, and an engine dies with its server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import asyncio
 import logging
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from faulty_engine import StuckEngine
@@ -34,11 +36,67 @@ def test_serve_spawns_the_engine_before_it_imports_torch():
     assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
 
 
-def test_the_server_process_imports_neither_the_engine_nor_dynamo():
-    code = ("import sys, encore.server.server; "
-            "sys.exit(sorted({'encore.engine.engine', 'torch._dynamo'} & set(sys.modules)) or None)")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+# A server built (its tokenizer loaded), started and stopped, which then reports what of the engine it imported.
+SERVER = r"""
+import asyncio, sys
+from encore.server.config import ServerConfig
+from encore.server.engine_spawn import spawn_engine
+from encore.server.server import EncoreServer
+
+async def main():
+    kwargs = {"model": sys.argv[1], "device": "cpu"}
+    server = EncoreServer(ServerConfig(port=0), kwargs, spawn_engine(kwargs))
+    await server.start()
+    await server.stop()
+
+asyncio.run(main())
+sys.exit(sorted({"encore.engine.engine", "torch._dynamo"} & set(sys.modules)) or None)
+"""
+
+# Spawns a stuck engine and, once the engine has sent its first message (it is building the engine then,
+# and would write nothing more to the pipe, whose breaking would end it), says its pid and waits to be killed.
+PARENT = r"""
+import sys, time
+from multiprocessing.connection import wait
+sys.path.insert(0, sys.argv[2])
+from faulty_engine import StuckEngine
+from encore.server.engine_spawn import spawn_engine
+
+engine = spawn_engine({"model": sys.argv[1], "device": "cpu"}, StuckEngine)
+assert wait([engine.outputs], timeout=120)
+print(engine.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_server_process_imports_neither_the_engine_nor_dynamo(v3_dir):
+    child = subprocess.run([sys.executable, "-c", SERVER, str(v3_dir)], capture_output=True, text=True, timeout=180)
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie: a container's first process need not reap the orphans it inherits."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel kills the engine with its server on Linux")
+def test_an_engine_dies_with_its_server_however_the_server_ends(v3_dir):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(v3_dir), str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        engine = int(parent.stdout.readline())
+        assert _alive(engine)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(engine)
 
 
 def test_a_server_stopped_while_its_engine_starts_kills_it_at_once(v3_dir, caplog):

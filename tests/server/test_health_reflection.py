@@ -36,7 +36,7 @@ def test_health_goes_serving_after_warm_up_and_not_serving_when_the_engine_dies(
     handle = ServerThread(ServerConfig(port=0), engine_kwargs(v3_dir)).listen()
     try:
         with Client(handle.target) as client:
-            # Listening before the engine has even been spawned: probes get an answer.
+            # Listening before the engine has warmed up: probes get an answer.
             assert client.health() == client.health(SERVICE_NAME) == "NOT_SERVING"
             assert status_of(client.stream("hi", max_tokens=2)) == grpc.StatusCode.UNAVAILABLE
             assert not client.server_info().ready
