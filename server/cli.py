@@ -112,8 +112,9 @@ async def _run_server(config: ServerConfig, kwargs: dict) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
 
-    def progress(message: str) -> None:
-        print(f"encore: [{time.monotonic() - began:6.1f}s] {message}", flush=True)
+    def progress(message: str, at: float) -> None:
+        """``at``: when it happened (time.monotonic()); an engine line may be read well after it was written."""
+        print(f"encore: [{at - began:6.1f}s] {message}", flush=True)
 
     warm_up = asyncio.create_task(server.start_engine(progress))
     stop_wait = asyncio.create_task(stopping.wait())
@@ -128,7 +129,7 @@ async def _run_server(config: ServerConfig, kwargs: dict) -> int:
             status = 1
         else:
             progress(f"ready: serving {info.model} ({info.architecture}, context {info.max_model_len}) "
-                     f"on {server.address}")
+                     f"on {server.address}", time.monotonic())
             await stop_wait
     else:
         warm_up.cancel()

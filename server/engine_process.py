@@ -53,7 +53,7 @@ class EngineProcess:
         self.failure: str | None = None  # set once the process is gone
         self._fatal: str | None = None
         self._stopping = False
-        self._on_progress: Callable[[str], None] = lambda message: None
+        self._on_progress: Callable[[str, float], None] = lambda message, at: None
         self._on_death: Callable[[str], None] = lambda failure: None
         self._started: asyncio.Future[EngineInfo] | None = None
         self._exited: asyncio.Event | None = None
@@ -67,10 +67,11 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    async def start(self, on_progress: Callable[[str], None] = lambda message: None,
+    async def start(self, on_progress: Callable[[str, float], None] = lambda message, at: None,
                     on_death: Callable[[str], None] = lambda failure: None) -> EngineInfo:
-        """Waits until the process has warmed up. ``on_death`` is called (on the event loop) if it dies
-        later. Raises EngineStartError if it cannot start."""
+        """Waits until the process has warmed up, passing its progress lines to ``on_progress(line, at)``
+        (``at``: when the process wrote the line, ``messages.Progress``). ``on_death`` is called (on the
+        event loop) if it dies later. Raises EngineStartError if it cannot start."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
         self._exited = asyncio.Event()
@@ -167,7 +168,7 @@ class EngineProcess:
                            f"the engine failed while running this request ({message.message}); "
                            f"it was aborted and the server goes on serving")
         elif isinstance(message, Progress):
-            self._on_progress(message.message)
+            self._on_progress(message.message, message.at)
         elif isinstance(message, Ready):
             self.info, self.stats = message.info, message.stats
             if not self._started.done():  # done: start() was cancelled (shutdown during warm-up)

@@ -16,7 +16,8 @@ submission (see ``EngineProcess.submit``), not necessarily the client's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from encore.engine.request import TokenLogprob
@@ -49,6 +50,9 @@ class Shutdown:
 @dataclass(frozen=True, slots=True)
 class Progress:
     message: str
+    # When the engine process wrote it (time.monotonic(), one clock for both processes): the server may
+    # read it much later, since it starts reading only once it listens (engine_spawn.py).
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ class EncoreServer:
             self._metrics_server = await start_metrics_server(cfg.host, cfg.metrics_port, self.render_metrics)
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
 
-    async def start_engine(self, on_progress: Callable[[str], None] = lambda message: None) -> EngineInfo:
+    async def start_engine(self, on_progress: Callable[[str, float], None] = lambda message, at: None) -> EngineInfo:
         """Waits for the engine process's warm-up, then reports SERVING.
         Raises EngineStartError if it cannot start."""
         info = await self.engine.start(on_progress, on_death=self._engine_died)

@@ -33,7 +33,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.thread.start()
         self.server = EncoreServer(config, kwargs, spawn_engine(kwargs, engine_factory))
-        self.progress: list[str] = []
+        self.progress: list[tuple[str, float]] = []  # the engine's progress lines, with when it wrote each
 
     def call(self, coroutine, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
@@ -43,7 +43,7 @@ class ServerThread:
         return self
 
     def start_engine(self) -> None:
-        self.call(self.server.start_engine(self.progress.append))
+        self.call(self.server.start_engine(lambda line, at: self.progress.append((line, at))))
 
     def stop(self) -> None:
         self.call(self.server.stop())

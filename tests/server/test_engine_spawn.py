@@ -1,6 +1,6 @@
 """``encore serve`` spawns the engine process before it imports torch (engine_spawn.py), the server
-process never imports the engine, a server stopped while its engine is still starting stops it at
-once, and an engine dies with its server."""
+process never imports the engine, the engine's progress lines carry when it wrote them, a server
+stopped while its engine is still starting stops it at once, and an engine dies with its server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from server_harness import ServerThread, engine_kwargs
 
 from encore.server.config import ServerConfig
 from encore.server.engine_process import EngineStartError
+from encore.server.engine_spawn import spawn_engine
+from encore.server.server import EncoreServer
 
 # Runs `encore serve` up to the engine's spawn, which reports whether torch was imported by then.
 SPY = r"""
@@ -72,6 +75,30 @@ time.sleep(600)
 def test_the_server_process_imports_neither_the_engine_nor_dynamo(v3_dir):
     child = subprocess.run([sys.executable, "-c", SERVER, str(v3_dir)], capture_output=True, text=True, timeout=180)
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+def test_progress_lines_carry_when_the_engine_wrote_them(v3_dir):
+    """The server reads the engine's lines only once it waits for the engine (encore serve: once it
+    listens), so each line carries its own time; here the first is read over a second after it was written."""
+    kwargs = engine_kwargs(v3_dir)
+    spawned = spawn_engine(kwargs)
+    assert wait([spawned.outputs], timeout=120)  # the first line is written, and not yet read
+    time.sleep(1.0)
+    lines = []
+
+    async def start() -> float:
+        server = EncoreServer(ServerConfig(port=0), kwargs, spawned)
+        reading_from = time.monotonic()
+        try:
+            await server.start_engine(lambda line, at: lines.append((line, at)))
+        finally:
+            await server.stop()
+        return reading_from
+
+    reading_from = asyncio.run(start())
+    assert lines[0][0].startswith("loading") and lines[0][1] <= reading_from - 1.0
+    stamps = [at for _, at in lines]
+    assert stamps == sorted(stamps) and stamps[-1] <= time.monotonic()
 
 
 def _alive(pid: int) -> bool:

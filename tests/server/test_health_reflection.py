@@ -41,7 +41,7 @@ def test_health_goes_serving_after_warm_up_and_not_serving_when_the_engine_dies(
             assert status_of(client.stream("hi", max_tokens=2)) == grpc.StatusCode.UNAVAILABLE
             assert not client.server_info().ready
             handle.start_engine()
-            assert handle.progress[0].startswith("loading") and "warming up" in handle.progress[-1]
+            assert handle.progress[0][0].startswith("loading") and "warming up" in handle.progress[-1][0]
             assert client.health() == client.health(SERVICE_NAME) == "SERVING"
             assert client.server_info().ready
 
