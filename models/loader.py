@@ -1,8 +1,9 @@
 """Loading HF safetensors checkpoints (single file or sharded) into encore's DeepSeek modules.
 
 The model is built on the meta device, materialized once in the target dtype and device, and each
-checkpoint tensor is copied straight into its parameter (or its slice of a fused / stacked one), so
-no second copy of the weights ever exists. Unknown or missing tensors are errors that name them.
+checkpoint tensor is read straight into its parameter (or its slice of a fused / stacked one;
+``weight_stream``), so no second copy of the weights ever exists. Unknown, misshapen or missing
+tensors are errors that name them (the first two before anything is read).
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from encore.backends.base import AttentionBackend
 from encore.models.config import ModelConfig
 from encore.models.deepseek import DeepseekForCausalLM
+from encore.models.weight_stream import StoredTensor, read_into, stored_tensors
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +46,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:
-    return {name for f in checkpoint_files(Path(model_dir)) for name in _names(f)}
+    return {t.name for f in checkpoint_files(Path(model_dir)) for t in stored_tensors(f)}
 
 
 def has_mtp_weights(model_dir: str | Path, cfg: ModelConfig) -> bool:
     return f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in checkpoint_names(model_dir)
-
-
-def _names(path: Path) -> list[str]:
-    with safe_open(path, "pt") as f:
-        return list(f.keys())
-
-
-def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
@@ -88,23 +77,25 @@ def copy_checkpoint(model_dir: Path, params: dict[str, torch.nn.Parameter],
     parameters left (partly) unfilled, for the caller to tie or report."""
     pending = {name: _pieces(name, p) for name, p in params.items()}
     unknown = []
-    for ckpt_name, tensor in _tensors(checkpoint_files(model_dir)):
-        mapped = target(ckpt_name)
+    plan: list[tuple[StoredTensor, torch.Tensor]] = []
+    for stored in (t for f in checkpoint_files(model_dir) for t in stored_tensors(f)):
+        mapped = target(stored.name)
         if mapped is None:
             continue
         name, index = mapped
         if name not in params:
-            unknown.append(ckpt_name)
+            unknown.append(stored.name)
             continue
         dest = params[name].data if index is None else params[name].data[index]
-        if dest.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}; "
+        if dest.shape != stored.shape:
+            raise ValueError(f"checkpoint tensor {stored.name} has shape {stored.shape}; "
                              f"encore expects {tuple(dest.shape)} for {name}")
-        dest.copy_(tensor)
+        plan.append((stored, dest))
         pending[name] -= 1
     if unknown:
         hint = " (fp8 block-quantized checkpoints are not supported)" if any("scale" in u for u in unknown) else ""
         raise ValueError(f"unknown tensors in checkpoint {str(model_dir)!r}{hint}: {sorted(unknown)[:20]}")
+    read_into(plan)
     return sorted(n for n, left in pending.items() if left > 0)
 
 
