@@ -23,22 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from bench_serve_start import evict
 
 from encore.models.config import ModelConfig
-from encore.models.loader import checkpoint_files, load_model
+from encore.models.loader import load_model
+from encore.models.shards import checkpoint_files
 
 _READ_CHUNK = 16 << 20
-
-
-def evict(files: list[Path]) -> None:
-    """Drops the files' pages from the page cache (written back first: dirty pages are not dropped)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_seconds(files: list[Path], threads: int) -> float:

@@ -5,20 +5,24 @@ ready. The first start on an empty ``--graph-cache-dir`` is cold (it compiles); 
 start, seconds: ``listening`` and ``ready`` from the launch, as this script receives those lines; the
 engine's phases on ``encore serve``'s own clock (it starts when the server process has imported its
 command line, ~0.05 s after the launch; each engine line carries the time the engine process wrote it):
-``loading`` (the engine process has imported torch and the engine), ``first_key`` / ``last_key`` (the
-graph keys prepared), ``kernel_warm_up_s`` (compiling encore's own Triton kernels, ~0 once Triton's
-cache holds them) and ``ready``.
+``loading`` (the engine process has imported torch and the engine), ``weights`` (loaded; ``weights_s``:
+how long that took, by the engine), ``first_key`` / ``last_key`` (the graph keys prepared),
+``kernel_warm_up_s`` (compiling encore's own Triton kernels, ~0 once Triton's cache holds them) and
+``ready``.
 
     python benchmarks/bench_serve_start.py [--model DIR] [--starts 3] [--graph-cache-dir DIR] [--json out.json]
-        [-- ENGINE OPTIONS ...]   # e.g. -- --device cuda --dtype bfloat16 --graph-decode-sizes 1,8
+        [--evict-checkpoint] [-- ENGINE OPTIONS ...]   # e.g. -- --device cuda --graph-decode-sizes 1,8
 
 Without --graph-cache-dir the starts share a new temporary one, so the first is cold.
+``--evict-checkpoint`` drops the checkpoint's files from the page cache before each start (a start
+whose weights come off the disk: the first on a machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -26,8 +30,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 _CLOCK = re.compile(r"^encore: \[\s*([0-9.]+)s\] (.*)$")
+
+
+def evict(files: list[Path]) -> None:
+    """Drops the files' pages from the page cache (written back first: dirty pages are not dropped);
+    ``posix_fadvise`` needs no root."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def one_start(model: str | None, cache_dir: str, engine_args: list[str]) -> dict:
@@ -47,6 +64,9 @@ def one_start(model: str | None, cache_dir: str, engine_args: list[str]) -> dict
         at, message = float(clock.group(1)), clock.group(2)
         if message.startswith("loading "):
             phases["loading"] = at
+        elif weights := re.match(r"weights loaded: [0-9.]+ GB in ([0-9.]+)s", message):
+            phases["weights"] = at
+            phases["weights_s"] = float(weights.group(1))
         elif message.startswith("graph key 1/"):
             phases["first_key"] = at
         elif message.startswith("graph key "):
@@ -70,13 +90,19 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--graph-cache-dir")
     ap.add_argument("--json")
+    ap.add_argument("--evict-checkpoint", action="store_true", help="drop --model's files from the page cache "
+                    "before each start")
     ap.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: encore serve's engine options")
     args = ap.parse_args()
+    if args.evict_checkpoint and not args.model:
+        ap.error("--evict-checkpoint needs --model (the embedded model is part of the package)")
     engine_args = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
     with tempfile.TemporaryDirectory(prefix="encore-start-") as scratch:
         cache_dir = args.graph_cache_dir or scratch
         starts = []
         for index in range(args.starts):
+            if args.evict_checkpoint:
+                evict(sorted(Path(args.model).glob("*.safetensors")))
             starts.append(one_start(args.model, cache_dir, engine_args))
             print(f"start {index + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in starts[-1].items()), flush=True)
     warm = starts[1:]
@@ -86,7 +112,8 @@ def main() -> None:
         print("warm starts, median: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "engine_args": engine_args, "starts": starts, "warm_median": summary},
+            json.dump({"model": args.model, "engine_args": engine_args, "evict_checkpoint": args.evict_checkpoint,
+                       "starts": starts, "warm_median": summary},
                       f, indent=1)
 
 

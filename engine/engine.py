@@ -66,8 +66,8 @@ class Engine:
                  on_progress: Callable[[str], None] | None = None,
                  build_model: ModelBuilder | None = None, **options) -> None:
         """``on_graph_key(done, total, report)`` is called as each graph key is compiled/captured at
-        start-up, ``on_progress(line)`` as the kernel warm-up starts and ends (progress for ``encore
-        serve``); ``build_model`` replaces loading the weights of
+        start-up, ``on_progress(line)`` once the weights are loaded and as the kernel warm-up starts and
+        ends (progress for ``encore serve``); ``build_model`` replaces loading the weights of
         ``model`` (whose config.json still shapes it: benchmarks build random weights on the GPU);
         ``options`` are EngineConfig's fields."""
         if device == "auto":
@@ -82,7 +82,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self._encode = prompt_encoder(self.tokenizer)
         wanted_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(self.config, self.model_config, wanted_len, build_model)
+        self.runner = ModelRunner(self.config, self.model_config, wanted_len, build_model, on_progress)
         total = len(self.runner.graphs.keys) if self.runner.graphs is not None else 0
         progress = (lambda index, report: on_graph_key(index + 1, total, report)) if on_graph_key else None
         self.runner.prepare_graphs(on_key=progress)  # compile (and capture) every graph key before the first step

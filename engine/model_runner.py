@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -125,8 +126,9 @@ def triton_as_every_start(device: torch.device) -> None:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 build_model: ModelBuilder | None = None) -> None:
-        """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it)."""
+                 build_model: ModelBuilder | None = None, on_progress: Callable[[str], None] | None = None) -> None:
+        """``build_model`` replaces loading ``config.model`` (benchmarks build random weights with it);
+        ``on_progress(line)`` once the weights are loaded."""
         self.device = torch.device(config.device)
         triton_as_every_start(self.device)  # before any Triton kernel compiles
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -156,8 +158,14 @@ class ModelRunner:
             self.kv_caches, self.dims)
         self.context = StepContext(self.backend)
         if build_model is None:
+            start = time.perf_counter()
             self.model = load_model(Path(config.model), cfg, self.backend, self.device, self.dtype,
                                     with_mtp=self.with_mtp, aux_layers=aux_layers)
+            loaded = (f"weights loaded: {sum(p.nbytes for p in self.model.parameters()) / 1e9:.1f} GB in "
+                      f"{time.perf_counter() - start:.1f}s")
+            log.info(loaded)
+            if on_progress:
+                on_progress(loaded)
         else:
             self.model = build_model(cfg, self.backend, self.device, self.dtype)
         if self.device.type == "cuda":  # the CPU keeps the plain formulation, the reference

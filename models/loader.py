@@ -8,7 +8,6 @@ tensors are errors that name them (the first two before anything is read).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 from encore.backends.base import AttentionBackend
 from encore.models.config import ModelConfig
 from encore.models.deepseek import DeepseekForCausalLM
+from encore.models.shards import checkpoint_files
 from encore.models.weight_stream import StoredTensor, read_into, stored_tensors
 
 log = logging.getLogger(__name__)
@@ -29,20 +29,6 @@ _FUSED = re.compile(r"^(mlp|mlp\.shared_experts)\.(gate_proj|up_proj)\.weight$")
 _MTP_ONLY = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
              "shared_head.norm.weight", "shared_head.head.weight")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}")
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:

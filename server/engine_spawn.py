@@ -4,7 +4,9 @@ while the server imports, loads its tokenizer and starts listening, not after.
 
 This module imports no torch, and neither do ``encore.server.cli`` and the modules it imports at its
 top (``test_engine_spawn.py`` checks): a spawned process imports its parent's main module again, and
-the server's imports would otherwise come first. The process runs ``engine_worker.run_engine``, with
+the server's imports would otherwise come first. Before its own imports the engine process starts
+reading the checkpoint into the page cache (``models/shards.py``), so that a checkpoint not yet there
+comes off the disk during them. The process runs ``engine_worker.run_engine``, with
 the "spawn" context (a fresh interpreter: no forked CUDA or gRPC state); ``EngineProcess`` takes over
 its pipes.
 
@@ -57,6 +59,10 @@ def _engine_main(server_pid: int, engine_kwargs: dict, commands: Connection, out
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != server_pid:  # the server was gone before the kernel could be told
         os._exit(1)
+    if engine_kwargs.get("model") is not None:  # the embedded model is small
+        from encore.models.shards import prefetch_in_background
+
+        prefetch_in_background(engine_kwargs["model"])  # the disk read overlaps the imports below
     from encore.engine import Engine  # in the engine process only: torch and the engine
     from encore.server.engine_worker import run_engine
 

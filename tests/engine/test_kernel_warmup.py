@@ -39,7 +39,7 @@ def test_scratch_batch_rejects_a_table_too_narrow_for_its_rows():
 def test_warm_up_runs_nothing_off_cuda(v3_dir):
     lines = []
     engine = Engine(str(v3_dir), device="cpu", page_size=4, on_progress=lines.append)
-    assert lines == []  # no warm-up to report
+    assert len(lines) == 1 and lines[0].startswith("weights loaded: ")  # and no warm-up to report
     assert engine.runner.warm_up_kernels(engine.config) == 0
     assert engine.stats()["kernel_compiles"] == 0
 
@@ -82,7 +82,8 @@ def test_eager_steps_of_any_shape_compile_no_kernel_gpu(options):
     assert child.returncode == 0, child.stderr[-5000:]
     stats = json.loads(child.stdout.strip().splitlines()[-1])
     start, end = stats["start"], stats["end"]
-    first, last = stats["progress"]  # encore serve's lines around the warm-up
+    loaded, first, last = stats["progress"]  # encore serve's lines: the weights, then around the warm-up
+    assert re.fullmatch(r"weights loaded: [\d.]+ GB in [\d.]+s", loaded), loaded
     assert first.startswith("warming up the kernels")
     assert re.fullmatch(r"kernel warm-up: \d+ eager steps in [\d.]+s", last), last
     assert end["eager_steps"] - start["eager_steps"] > 20 and end["steps"]["MIXED"] > 0, end
