@@ -139,6 +139,10 @@ async def _run_server(config: ServerConfig, kwargs: dict) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from encore.models.shards import prefetch_in_background
+
+        prefetch_in_background(args.model)  # the disk read overlaps the imports below
     from encore.engine import Engine, SamplingParams
 
     try:

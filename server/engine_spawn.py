@@ -59,7 +59,7 @@ def _engine_main(server_pid: int, engine_kwargs: dict, commands: Connection, out
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != server_pid:  # the server was gone before the kernel could be told
         os._exit(1)
-    if engine_kwargs.get("model") is not None:  # the embedded model is small
+    if engine_kwargs.get("model") is not None:
         from encore.models.shards import prefetch_in_background
 
         prefetch_in_background(engine_kwargs["model"])  # the disk read overlaps the imports below
