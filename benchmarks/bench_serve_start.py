@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import statistics
@@ -32,19 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from encore.models.shards import checkpoint_files, evict
+
 _CLOCK = re.compile(r"^encore: \[\s*([0-9.]+)s\] (.*)$")
-
-
-def evict(files: list[Path]) -> None:
-    """Drops the files' pages from the page cache (written back first: dirty pages are not dropped);
-    ``posix_fadvise`` needs no root."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def one_start(model: str | None, cache_dir: str, engine_args: list[str]) -> dict:
@@ -102,7 +91,7 @@ def main() -> None:
         starts = []
         for index in range(args.starts):
             if args.evict_checkpoint:
-                evict(sorted(Path(args.model).glob("*.safetensors")))
+                evict(checkpoint_files(Path(args.model)))
             starts.append(one_start(args.model, cache_dir, engine_args))
             print(f"start {index + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in starts[-1].items()), flush=True)
     warm = starts[1:]

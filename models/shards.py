@@ -36,17 +36,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
     """Reads the files, in order, up to ``budget`` bytes, on ``threads`` daemon threads into throwaway
-    buffers, which leaves them in the page cache; returns the bytes read. (``POSIX_FADV_WILLNEED`` would
-    read at most the device's readahead window a call, 128 KB by default.)"""
+    buffers, which leaves them in the page cache; returns the bytes it set out to read. A read that
+    fails ends its thread quietly: the loader reads the same bytes and reports it. (``POSIX_FADV_WILLNEED``
+    would read at most the device's readahead window a call, 128 KB by default.)"""
     pieces = []
     total = 0
     for path in files:
         size = min(path.stat().st_size, budget - total)
         pieces += [(path, offset, min(_PIECE, size - offset)) for offset in range(0, size, _PIECE)]
         total += max(size, 0)
-    fds = {path: os.open(path, os.O_RDONLY) for path in {piece[0] for piece in pieces}}
     queue = iter(pieces)
     lock = threading.Lock()
+    fds: dict[Path, int] = {}
 
     def read() -> None:
         buf = memoryview(bytearray(_PIECE))
@@ -56,9 +57,15 @@ def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
             if piece is None:
                 return
             path, offset, n = piece
-            os.preadv(fds[path], [buf[:n]], offset)
+            try:
+                os.preadv(fds[path], [buf[:n]], offset)
+            except OSError as exc:
+                log.debug("checkpoint prefetch: reading %s failed: %s", path, exc)
+                return
 
     try:
+        for path in dict.fromkeys(piece[0] for piece in pieces):
+            fds[path] = os.open(path, os.O_RDONLY)
         readers = [threading.Thread(target=read, name="encore-prefetch", daemon=True) for _ in range(threads)]
         for reader in readers:
             reader.start()
@@ -70,13 +77,38 @@ def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
     return total
 
 
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo, in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
+def evict(files: list[Path]) -> None:
+    """Drops the files' pages from the page cache, written back first (dirty pages are not dropped);
+    ``posix_fadvise`` needs no root. For benchmarks and tests of a start whose checkpoint comes off the
+    disk."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes this process may still fill: MemAvailable, or less under a cgroup memory limit (v2
+    ``memory.max`` - ``memory.current``, v1 ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``), which
+    the page cache counts against."""
+    available = None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        raise OSError(f"{meminfo} has no MemAvailable")
+    for limit, usage in (("memory.max", "memory.current"),  # v2, then v1
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap, used = (cgroup / limit).read_text().strip(), int((cgroup / usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap != "max":
+            available = min(available, max(int(cap) - used, 0))
+    return available
 
 
 def prefetch_in_background(model_dir: str | Path) -> threading.Thread | None:
@@ -92,10 +124,10 @@ def prefetch_in_background(model_dir: str | Path) -> threading.Thread | None:
         try:
             files = checkpoint_files(Path(model_dir))
             done = prefetch(files, available_memory() // 2)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             log.debug("checkpoint prefetch skipped: %s", exc)
             return
-        log.info("checkpoint prefetch: %.1f GB of %s read in %.1fs", done / 1e9, model_dir, time.perf_counter() - start)
+        log.info("checkpoint prefetch: %.1f GB of %s in %.1fs", done / 1e9, model_dir, time.perf_counter() - start)
 
     thread = threading.Thread(target=run, name="encore-prefetch", daemon=True)
     thread.start()

@@ -14,6 +14,7 @@ from the end of the header); a header that does not add up is an error naming th
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections import deque
@@ -24,8 +25,9 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+           "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 CHUNK_BYTES = 16 << 20  # one pinned buffer: a few expert tensors, or a slice of an embedding
@@ -37,7 +39,8 @@ SLOTS = 2 * READERS  # pinned buffers: while the threads read into half, the oth
 class StoredTensor:
     path: Path
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: a dtype encore does not read (an error only if it is loaded)
+    dtype_name: str  # safetensors' own
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
     nbytes: int
@@ -57,34 +60,34 @@ def stored_tensors(path: Path) -> list[StoredTensor]:
             header = json.loads(f.read(length))
         except ValueError as e:
             raise ValueError(f"{str(path)!r} has an unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{str(path)!r} has a safetensors header that is not a JSON object")
     base = 8 + length
     tensors = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{str(path)!r}: tensor {name} has dtype {info['dtype']}; "
-                             f"encore reads {sorted(_DTYPES)}")
-        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
-        begin, end = info["data_offsets"]
-        nbytes = dtype.itemsize * _numel(shape)
-        if end - begin != nbytes or begin < 0 or base + end > size:
-            raise ValueError(f"{str(path)!r}: tensor {name} ({info['dtype']} {list(shape)}) has data_offsets "
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype = _DTYPES.get(dtype_name)
+            whole = (end - begin == dtype.itemsize * math.prod(shape)) if dtype is not None else end >= begin
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{str(path)!r}: tensor {name} has a malformed header entry {info!r}") from None
+        if not whole or begin < 0 or base + end > size:
+            raise ValueError(f"{str(path)!r}: tensor {name} ({dtype_name} {list(shape)}) has data_offsets "
                              f"[{begin}, {end}] in a file of {size} bytes")
-        tensors.append(StoredTensor(path, name, dtype, shape, base + begin, nbytes))
+        tensors.append(StoredTensor(path, name, dtype, dtype_name, shape, base + begin, end - begin))
     return sorted(tensors, key=lambda t: t.offset)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def read_into(pairs: list[tuple[StoredTensor, torch.Tensor]]) -> None:
     """Fills each destination (its stored tensor's shape, any dtype: cast on its own device) with its
     stored tensor. All destinations are on one device."""
+    unreadable = [src for src, _ in pairs if src.dtype is None]
+    if unreadable:
+        src = unreadable[0]
+        raise ValueError(f"{str(src.path)!r}: tensor {src.name} has dtype {src.dtype_name}; encore reads "
+                         f"{sorted(_DTYPES)}")
     if not pairs:
         return
     device = pairs[0][1].device
@@ -167,38 +170,43 @@ class _PinnedStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.ring = torch.empty(SLOTS, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
         self.scratch: dict[str, torch.Tensor] = {}
 
     def run(self, pairs: list[tuple[StoredTensor, torch.Tensor]]) -> None:
         chunks = _chunks(pairs)
-        files = {path: os.open(path, os.O_RDONLY) for path in {c.path for c in chunks}}
+        slots = min(SLOTS, len(chunks))
+        self.ring = torch.empty(slots, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        # The destinations' memory may have been freed by kernels still queued on the current stream.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        files: dict[Path, int] = {}
         try:
+            for path in dict.fromkeys(c.path for c in chunks):
+                files[path] = os.open(path, os.O_RDONLY)
             with ThreadPoolExecutor(READERS, thread_name_prefix="encore-load") as pool, \
                     torch.cuda.stream(self.stream):
                 reads: deque[Future] = deque()
-                for i in range(min(SLOTS, len(chunks))):
-                    reads.append(pool.submit(self._read, chunks[i], files[chunks[i].path], i, None))
+                for i in range(slots):
+                    reads.append(pool.submit(self._read, chunks[i], files[chunks[i].path], i % slots, None))
                 for i, chunk in enumerate(chunks):
                     reads.popleft().result()
-                    self._send(chunk, self.ring[i % SLOTS])
-                    if i + SLOTS < len(chunks):
+                    self._send(chunk, self.ring[i % slots])
+                    if i + slots < len(chunks):
                         sent = torch.cuda.Event()
                         sent.record(self.stream)
-                        nxt = chunks[i + SLOTS]
-                        reads.append(pool.submit(self._read, nxt, files[nxt.path], i + SLOTS, sent))
-            self.stream.synchronize()
+                        nxt = chunks[i + slots]
+                        reads.append(pool.submit(self._read, nxt, files[nxt.path], i % slots, sent))
         finally:
+            self.stream.synchronize()  # on an error too: no copy may still write into a parameter
             for fd in files.values():
                 os.close(fd)
             del self.ring
             torch._C._host_emptyCache()  # the ring's pinned pages back to the OS
 
-    def _read(self, chunk: _Chunk, fd: int, index: int, sent: torch.cuda.Event | None) -> None:
-        """``sent``: recorded after the copies out of this chunk's buffer that the ring's last lap queued."""
+    def _read(self, chunk: _Chunk, fd: int, slot: int, sent: torch.cuda.Event | None) -> None:
+        """``sent``: recorded after the copies out of this slot that the ring's last lap queued."""
         if sent is not None:
             sent.synchronize()
-        _pread(fd, self.ring[index % SLOTS, :chunk.nbytes], chunk.offset, chunk.path)
+        _pread(fd, self.ring[slot, :chunk.nbytes], chunk.offset, chunk.path)
 
     def _send(self, chunk: _Chunk, buf: torch.Tensor) -> None:
         for part in chunk.parts:

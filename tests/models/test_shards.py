@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from encore.models import shards
-from encore.models.shards import checkpoint_files, prefetch, prefetch_in_background
+from encore.models.shards import available_memory, checkpoint_files, evict, prefetch, prefetch_in_background
 
 MB = 1 << 20
 
@@ -34,13 +34,7 @@ def resident(path) -> float:
 
 
 def evicted(files) -> list:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(files)
     if any(resident(path) > 0 for path in files):
         pytest.skip("this filesystem keeps a file's pages after POSIX_FADV_DONTNEED (tmpfs?)")
     return files
@@ -51,7 +45,7 @@ def three_shards(tmp_path):
     files = []
     for i in range(3):
         path = tmp_path / f"layer-{i}.safetensors"
-        path.write_bytes(os.urandom(40 * MB))
+        path.write_bytes(os.urandom(16 * MB))
         files.append(path)
     return files
 
@@ -59,7 +53,7 @@ def three_shards(tmp_path):
 def test_prefetch_reads_the_files_in_order_up_to_its_budget(three_shards, monkeypatch):
     monkeypatch.setattr(shards, "_PIECE", 3 * MB)  # pieces that do not divide a file
     files = evicted(three_shards)
-    assert prefetch(files, budget=60 * MB) == 60 * MB
+    assert prefetch(files, budget=24 * MB) == 24 * MB
     assert resident(files[0]) == 1.0
     assert resident(files[1]) >= 0.5  # and the kernel's readahead past the budget, within the file
     assert resident(files[2]) == 0.0
@@ -67,8 +61,49 @@ def test_prefetch_reads_the_files_in_order_up_to_its_budget(three_shards, monkey
 
 def test_prefetch_reads_a_whole_checkpoint_within_budget(three_shards):
     files = evicted(three_shards)
-    assert prefetch(files, budget=1 << 40) == 120 * MB
+    assert prefetch(files, budget=1 << 40) == 48 * MB
     assert [resident(path) for path in files] == [1.0, 1.0, 1.0]
+
+
+def test_prefetch_in_background_reads_a_checkpoint(three_shards):
+    index = three_shards[0].parent / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "layer-0.safetensors", "b": "layer-1.safetensors"}}')
+    files = evicted(three_shards)
+    thread = prefetch_in_background(index.parent)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert [resident(path) for path in files] == [1.0, 1.0, 0.0]  # the index's shards only
+
+
+def test_a_read_that_fails_ends_the_prefetch_quietly(three_shards, monkeypatch):
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+
+    def failing(fd, buffers, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    assert prefetch(three_shards, budget=1 << 40) == 48 * MB  # what it set out to read
+    assert raised == []
+
+
+def test_available_memory_is_capped_by_a_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_memory(meminfo, cgroup) == 4000000 * 1024  # no cgroup files
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert available_memory(meminfo, cgroup) == 4000000 * 1024  # v2, unlimited
+    (cgroup / "memory.max").write_text(f"{3 * 1024 ** 3}\n")
+    (cgroup / "memory.current").write_text(f"{1024 ** 3}\n")
+    assert available_memory(meminfo, cgroup) == 2 * 1024 ** 3  # v2: the limit less the usage
+    (cgroup / "memory.max").unlink()
+    (cgroup / "memory").mkdir()
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text(f"{1024 ** 3}\n")
+    (cgroup / "memory" / "memory.usage_in_bytes").write_text(f"{1024 ** 2}\n")
+    assert available_memory(meminfo, cgroup) == 1024 ** 3 - 1024 ** 2  # v1
 
 
 def test_the_files_are_the_loaders_shards_in_its_order(tmp_path):

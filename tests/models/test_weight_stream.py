@@ -63,7 +63,10 @@ def _write(path, header: bytes, data: bytes = b"") -> None:
 @pytest.mark.parametrize("header, data, match", [
     (b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', b"\0" * 8, r"tensor w .*\[0, 16\]"),
     (b'{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}', b"\0" * 16, r"tensor w .*\[3\]"),
-    (b'{"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}', b"\0" * 8, r"tensor w has dtype C64"),
+    (b'{"w": {"dtype": "F32", "shape": [4]}}', b"\0" * 16, r"tensor w has a malformed header entry"),
+    (b'{"w": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}', b"\0" * 16, r"tensor w has a malformed"),
+    (b'{"w": 7}', b"", r"tensor w has a malformed header entry 7"),
+    (b'[1, 2]', b"", r"header that is not a JSON object"),
     (b'{"w": ', b"", r"unreadable safetensors header"),
 ])
 def test_a_bad_header_names_the_file_and_tensor(tmp_path, header, data, match):
@@ -72,6 +75,26 @@ def test_a_bad_header_names_the_file_and_tensor(tmp_path, header, data, match):
     with pytest.raises(ValueError, match=match) as info:
         stored_tensors(path)
     assert str(path) in str(info.value)
+
+
+def test_a_dtype_encore_cannot_read_is_an_error_only_when_loaded(tmp_path):
+    path = tmp_path / "c64.safetensors"
+    _write(path, b'{"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}', b"\0" * 8)
+    (stored,) = stored_tensors(path)
+    assert stored.dtype is None and stored.dtype_name == "C64"
+    read_into([])  # skipped by the loader: nothing to say
+    with pytest.raises(ValueError, match=r"tensor w has dtype C64; encore reads \['BF16'"):
+        read_into([(stored, torch.zeros(1))])
+
+
+def test_a_file_truncated_after_its_header_was_read_is_named(shard):
+    stored = stored_tensors(shard)
+    last = stored[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(last.offset + last.nbytes // 2)
+    with pytest.raises(ValueError, match=r"ended at byte \d+ while being read") as info:
+        read_into([(last, torch.empty(last.shape, dtype=last.dtype))])
+    assert str(shard) in str(info.value)
 
 
 def test_a_file_too_short_for_its_header_length_is_named(tmp_path):
@@ -84,7 +107,8 @@ def test_a_file_too_short_for_its_header_length_is_named(tmp_path):
 def test_chunks_cover_each_tensor_once_sharing_and_splitting(shard, monkeypatch):
     monkeypatch.setattr(weight_stream, "CHUNK_BYTES", 64)
     stored = stored_tensors(shard)
-    skipped = stored[2].name  # a gap in the file: the chunk before it ends there
+    skipped = "f32"  # a gap in the file: the chunk before it ends there
+    assert next(t for t in stored if t.name == skipped).nbytes > 0
     pairs = [(t, torch.empty(t.shape, dtype=t.dtype)) for t in stored if t.name != skipped]
     chunks = weight_stream._chunks(pairs)
     seen = {t.name: [] for t, _ in pairs}
@@ -109,11 +133,22 @@ def test_chunks_cover_each_tensor_once_sharing_and_splitting(shard, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_pinned_stream_matches_safetensors_on_cuda(tmp_path, monkeypatch):
-    """A ring of 3 buffers of 256 bytes over ~6 KB: every buffer is reused several times."""
+@pytest.mark.parametrize("slow_copies", [False, True], ids=["plain", "slow-copies"])
+def test_pinned_stream_matches_safetensors_on_cuda(tmp_path, monkeypatch, slow_copies):
+    """A ring of 3 buffers of 256 bytes over ~6 KB: every buffer is reused several times. With slow
+    copies (a ~1 ms sleep queued on the copy stream before each chunk's copies) a reader that refilled a
+    buffer before its copies ran would corrupt the tensors."""
     monkeypatch.setattr(weight_stream, "CHUNK_BYTES", 256)
     monkeypatch.setattr(weight_stream, "READERS", 2)
     monkeypatch.setattr(weight_stream, "SLOTS", 3)
+    if slow_copies:
+        send = weight_stream._PinnedStream._send
+
+        def slow_send(self, chunk, buf):
+            torch.cuda._sleep(2_000_000)
+            send(self, chunk, buf)
+
+        monkeypatch.setattr(weight_stream._PinnedStream, "_send", slow_send)
     path = tmp_path / "model.safetensors"
     save_file(_tensors(), path, metadata={"format": "pt"})
     want = load_file(path)
