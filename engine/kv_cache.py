@@ -24,6 +24,8 @@ are released last page first: a chain's deeper pages go before the pages other p
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 
 import torch
 
@@ -240,4 +242,15 @@ class KVCacheManager:
 def allocate_kv_caches(num_layers: int, num_pages: int, page_size: int, latent_dim: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
     """One [num_pages, page_size, latent_dim] latent cache per layer."""
-    return [torch.zeros(num_pages, page_size, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [zeroed_pool((num_pages, page_size, latent_dim), dtype, device) for _ in range(num_layers)]
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A KV pool, zeroed: a slot never written may still be read under a mask, and must not hold a NaN.
+    On the CPU it is anonymous memory, which the OS zeroes a page at a time as it is first written:
+    zero-filling the default 2 GiB pool took 1.35 s of a start (the CI machine), and its memory was
+    taken whether the pool was used or not."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor holds a reference to it
+    return torch.frombuffer(memory, dtype=dtype).view(shape)

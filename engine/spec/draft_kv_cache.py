@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 from encore.backends.metadata import ForwardBatch
 from encore.backends.torch_backend import ragged_prefill_mask
+from encore.engine.kv_cache import zeroed_pool
 
 
 class DraftKVCache:
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.cache = torch.zeros(num_pages, page_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.cache = zeroed_pool((num_pages, page_size, 2, num_kv_heads, head_dim), dtype, device)
         self.scale = head_dim ** -0.5
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

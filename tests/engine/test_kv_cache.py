@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from encore.engine import Engine, SamplingParams
-from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager, PagePool
+from encore.engine.kv_cache import DUMMY_PAGE, KVCacheManager, PagePool, zeroed_pool
 
 
 def check_invariants(kv: KVCacheManager) -> None:
@@ -114,3 +116,20 @@ def run_ops(engine, ops, request) -> None:
         check_invariants(engine.kv)
     assert engine.kv.num_free_pages == engine.kv.num_total_pages
     assert not engine.requests
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
+def test_a_cpu_pool_is_zero_and_takes_memory_only_where_written():
+    before = _rss_bytes()
+    pool = zeroed_pool((4096, 64, 512), torch.bfloat16, torch.device("cpu"))  # 256 MiB
+    assert pool.shape == (4096, 64, 512) and pool.dtype == torch.bfloat16
+    assert _rss_bytes() - before < 16 << 20
+    assert not pool[::97].any()  # read across the pool: still no memory taken
+    pool[5, 3] = 1.5
+    assert _rss_bytes() - before < 16 << 20
+    assert pool[5, 3].eq(1.5).all() and int(pool.count_nonzero()) == 512
