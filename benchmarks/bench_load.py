@@ -16,6 +16,7 @@ between trials; encore and the peer take turns. ``--cold`` evicts the shards fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -65,7 +66,7 @@ def load_seconds(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype:
                  peer: bool = False) -> float:
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    with mock.patch.object(loader, "read_into", safetensors_read_into if peer else loader.read_into):
+    with mock.patch.object(loader, "read_into", safetensors_read_into) if peer else contextlib.nullcontext():
         model = loader.load_model(model_dir, cfg, None, device, dtype)
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

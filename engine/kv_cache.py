@@ -248,8 +248,8 @@ def allocate_kv_caches(num_layers: int, num_pages: int, page_size: int, latent_d
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A KV pool, zeroed: a slot never written may still be read under a mask, and must not hold a NaN.
     On the CPU it is anonymous memory, which the OS zeroes a page at a time as it is first written:
-    zero-filling the default 2 GiB pool took 1.35 s of a start (the CI machine), and its memory was
-    taken whether the pool was used or not."""
+    zero-filling the embedded model's 1.28 GB pool took 0.5-1.35 s of a start (the CI machine), and its
+    memory was taken whether the pool was used or not."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor holds a reference to it

@@ -12,6 +12,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,6 @@ def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
         total += max(size, 0)
     queue = iter(pieces)
     lock = threading.Lock()
-    fds: dict[Path, int] = {}
 
     def read() -> None:
         buf = memoryview(bytearray(_PIECE))
@@ -63,31 +64,36 @@ def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
                 log.debug("checkpoint prefetch: reading %s failed: %s", path, exc)
                 return
 
-    try:
-        for path in dict.fromkeys(piece[0] for piece in pieces):
-            fds[path] = os.open(path, os.O_RDONLY)
+    with open_files(dict.fromkeys(piece[0] for piece in pieces)) as fds:
         readers = [threading.Thread(target=read, name="encore-prefetch", daemon=True) for _ in range(threads)]
         for reader in readers:
             reader.start()
         for reader in readers:
             reader.join()
+    return total
+
+
+@contextmanager
+def open_files(paths: Iterable[Path]) -> Iterator[dict[Path, int]]:
+    """Read-only descriptors of ``paths``, closed on leaving (also those opened before one that failed)."""
+    fds: dict[Path, int] = {}
+    try:
+        for path in paths:
+            fds[path] = os.open(path, os.O_RDONLY)
+        yield fds
     finally:
         for fd in fds.values():
             os.close(fd)
-    return total
 
 
 def evict(files: list[Path]) -> None:
     """Drops the files' pages from the page cache, written back first (dirty pages are not dropped);
     ``posix_fadvise`` needs no root. For benchmarks and tests of a start whose checkpoint comes off the
     disk."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
+    with open_files(files) as fds:
+        for fd in fds.values():
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -111,12 +117,12 @@ def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path(
     return available
 
 
-def prefetch_in_background(model_dir: str | Path) -> threading.Thread | None:
+def prefetch_in_background(model_dir: str | Path | None) -> threading.Thread | None:
     """Starts reading the checkpoint into the page cache on daemon threads (an engine that exits does
     not wait for them), at most half the memory available: past that its last pages would evict its
-    first before the loader reads them. Linux only (/proc/meminfo); a checkpoint that cannot be read
-    is left for the loader to report."""
-    if not os.path.exists("/proc/meminfo"):
+    first before the loader reads them. Linux only (/proc/meminfo); None (the embedded model, small)
+    reads nothing; a checkpoint that cannot be read is left for the loader to report."""
+    if model_dir is None or not os.path.exists("/proc/meminfo"):
         return None
 
     def run() -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from encore.models.shards import open_files
+
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
            "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
@@ -94,20 +96,18 @@ def read_into(pairs: list[tuple[StoredTensor, torch.Tensor]]) -> None:
     if device.type == "cuda":
         _PinnedStream(device).run(pairs)
         return
-    files: dict[Path, int] = {}
-    try:
+    with open_files(dict.fromkeys(src.path for src, _ in pairs)) as fds:
         for src, dest in pairs:
-            fd = files.get(src.path)
-            if fd is None:
-                fd = files[src.path] = os.open(src.path, os.O_RDONLY)
-            direct = dest.dtype == src.dtype and dest.is_contiguous()
+            direct = _direct(src, dest)
             buf = dest if direct else torch.empty(src.shape, dtype=src.dtype)
-            _pread(fd, _bytes(buf), src.offset, src.path)
+            _pread(fds[src.path], _bytes(buf), src.offset, src.path)
             if not direct:
                 dest.copy_(buf)
-    finally:
-        for fd in files.values():
-            os.close(fd)
+
+
+def _direct(src: StoredTensor, dest: torch.Tensor) -> bool:
+    """Whether the stored bytes can go straight into ``dest`` (else through a tensor of the stored dtype)."""
+    return dest.dtype == src.dtype and dest.is_contiguous()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -175,43 +175,32 @@ class _PinnedStream:
     def run(self, pairs: list[tuple[StoredTensor, torch.Tensor]]) -> None:
         chunks = _chunks(pairs)
         slots = min(SLOTS, len(chunks))
-        self.ring = torch.empty(slots, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        ring = torch.empty(slots, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
         # The destinations' memory may have been freed by kernels still queued on the current stream.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        files: dict[Path, int] = {}
         try:
-            for path in dict.fromkeys(c.path for c in chunks):
-                files[path] = os.open(path, os.O_RDONLY)
-            with ThreadPoolExecutor(READERS, thread_name_prefix="encore-load") as pool, \
+            with open_files(dict.fromkeys(c.path for c in chunks)) as fds, \
+                    ThreadPoolExecutor(READERS, thread_name_prefix="encore-load") as pool, \
                     torch.cuda.stream(self.stream):
-                reads: deque[Future] = deque()
-                for i in range(slots):
-                    reads.append(pool.submit(self._read, chunks[i], files[chunks[i].path], i % slots, None))
+                reads: deque[Future] = deque(pool.submit(_read_chunk, ring[i], fds[chunks[i].path], chunks[i], None)
+                                             for i in range(slots))
                 for i, chunk in enumerate(chunks):
                     reads.popleft().result()
-                    self._send(chunk, self.ring[i % slots])
+                    self._send(chunk, ring[i % slots])
                     if i + slots < len(chunks):
                         sent = torch.cuda.Event()
                         sent.record(self.stream)
                         nxt = chunks[i + slots]
-                        reads.append(pool.submit(self._read, nxt, files[nxt.path], i % slots, sent))
+                        reads.append(pool.submit(_read_chunk, ring[i % slots], fds[nxt.path], nxt, sent))
         finally:
             self.stream.synchronize()  # on an error too: no copy may still write into a parameter
-            for fd in files.values():
-                os.close(fd)
-            del self.ring
+            del ring
             torch._C._host_emptyCache()  # the ring's pinned pages back to the OS
-
-    def _read(self, chunk: _Chunk, fd: int, slot: int, sent: torch.cuda.Event | None) -> None:
-        """``sent``: recorded after the copies out of this slot that the ring's last lap queued."""
-        if sent is not None:
-            sent.synchronize()
-        _pread(fd, self.ring[slot, :chunk.nbytes], chunk.offset, chunk.path)
 
     def _send(self, chunk: _Chunk, buf: torch.Tensor) -> None:
         for part in chunk.parts:
             src, dest = part.src, part.dest
-            direct = dest.dtype == src.dtype and dest.is_contiguous()
+            direct = _direct(src, dest)
             if direct:
                 target = dest
             elif part.start == 0:
@@ -221,3 +210,11 @@ class _PinnedStream:
             _bytes(target)[part.start:part.start + part.n].copy_(buf[part.at:part.at + part.n], non_blocking=True)
             if not direct and part.start + part.n == src.nbytes:
                 dest.copy_(self.scratch.pop(src.name))
+
+
+def _read_chunk(buf: torch.Tensor, fd: int, chunk: _Chunk, sent: torch.cuda.Event | None) -> None:
+    """Reads ``chunk`` into its ring buffer once ``sent`` (recorded after the copies out of that buffer
+    that the ring's last lap queued) has passed."""
+    if sent is not None:
+        sent.synchronize()
+    _pread(fd, buf[:chunk.nbytes], chunk.offset, chunk.path)

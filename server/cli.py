@@ -21,6 +21,7 @@ import time
 
 from encore.engine.cli_options import add_engine_args, engine_kwargs
 from encore.graphs.warmup import add_graphs_subcommands
+from encore.models.shards import prefetch_in_background
 from encore.server.config import ServerConfig
 from encore.server.engine_spawn import spawn_engine
 
@@ -139,10 +140,7 @@ async def _run_server(config: ServerConfig, kwargs: dict) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    if args.model is not None:
-        from encore.models.shards import prefetch_in_background
-
-        prefetch_in_background(args.model)  # the disk read overlaps the imports below
+    prefetch_in_background(args.model)  # the disk read overlaps the imports below
     from encore.engine import Engine, SamplingParams
 
     try:

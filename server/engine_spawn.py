@@ -28,6 +28,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import NamedTuple
 
+from encore.models.shards import prefetch_in_background
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -59,10 +61,7 @@ def _engine_main(server_pid: int, engine_kwargs: dict, commands: Connection, out
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != server_pid:  # the server was gone before the kernel could be told
         os._exit(1)
-    if engine_kwargs.get("model") is not None:
-        from encore.models.shards import prefetch_in_background
-
-        prefetch_in_background(engine_kwargs["model"])  # the disk read overlaps the imports below
+    prefetch_in_background(engine_kwargs.get("model"))  # the disk read overlaps the imports below
     from encore.engine import Engine  # in the engine process only: torch and the engine
     from encore.server.engine_worker import run_engine
 

@@ -117,6 +117,7 @@ def test_the_files_are_the_loaders_shards_in_its_order(tmp_path):
 def test_a_checkpoint_that_cannot_be_read_is_left_to_the_loader(tmp_path, monkeypatch):
     raised = []
     monkeypatch.setattr(threading, "excepthook", raised.append)
+    assert prefetch_in_background(None) is None  # the embedded model
     thread = prefetch_in_background(tmp_path / "no-such-model")
     assert thread is not None
     thread.join(timeout=10)
