@@ -42,8 +42,14 @@ class EngineConfig:
     MIXED: up to ``graph_mixed_extends`` prefill rows (fewer are padded with one-token rows on the
     dummy page) whose tokens pad up to a ``graph_prefill_tokens`` bucket, plus
     ``graph_mixed_decode_sizes`` decode rows: a prompt (or a prompt's chunk) riding along running
-    decodes (1), and a burst of arrivals joining them (16).
+    decodes (1), and a burst of arrivals joining them (16, 64).
     EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets.
+    The 64-row prefill buckets (capped at what ``max_num_seqs`` allows) take a burst of calls that a
+    server receives while a step runs: without them, 64 streams arriving at a V2-Lite-shape server
+    (27 layers, H200) reached the engine in waves of 20-43 prompts, each of whose steps no key held
+    (40-96 ms a step, the host launching the compiled graph's kernels one by one); on them every step
+    replayed and the burst's throughput went from 0.89-0.91 to 0.94 of the in-process engine's
+    (benchmarks/README.md, "gRPC server overhead on the GPU", "Session 36").
     The prefill buckets reach ``chunked_prefill_size``'s default (2048), so every chunk of a long
     prompt replays a graph: a prompt step that no key holds runs on its family's compiled graph, whose
     launches the host makes one by one, ~25 ms a step for DeepSeek-V2-Lite's 27 layers on an H100, as
@@ -52,9 +58,10 @@ class EngineConfig:
     the 16 keys of the 1024 and 2048 buckets took 0.7 s to capture and 220 MiB more graph pool
     (benchmarks/README.md, "Time to first token").
     An empty size tuple makes no keys of that kind.
-    Decode rows are capped at what ``max_num_seqs`` allows a step of the key's mode (the largest bucket
-    then holds every step, a MIXED key's padded prefill rows taking it past ``max_num_seqs`` rows:
-    graphs/keys.build_keys); keys with more tokens than ``max_num_batched_tokens`` are dropped.
+    Decode and prefill rows are capped at what ``max_num_seqs`` allows a step of the key's mode (the
+    largest bucket then holds every step, a MIXED key's padded prefill rows taking it past
+    ``max_num_seqs`` rows: graphs/keys.build_keys); keys with more tokens than
+    ``max_num_batched_tokens`` are dropped.
     ``overlap_schedule``: schedule and launch each step while the device still runs the one before
     (engine/engine.py, "Overlapped steps"); None (the default) means on for CUDA, off for the CPU,
     where there is no device work to overlap and a step's outputs would only come one call later;
@@ -84,10 +91,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     graph_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     graph_q_lens: tuple[int, ...] = (1,)
-    graph_mixed_extends: tuple[int, ...] = (1, 16)
+    graph_mixed_extends: tuple[int, ...] = (1, 16, 64)
     graph_mixed_decode_sizes: tuple[int, ...] = (4, 16, 64)
     graph_prefill_tokens: tuple[int, ...] = (128, 512, 1024, 2048)
-    graph_extend_sizes: tuple[int, ...] = (1, 16)
+    graph_extend_sizes: tuple[int, ...] = (1, 16, 64)
     graph_cache_dir: str | None = None
     overlap_schedule: bool | None = None
     speculative: SpecConfig | dict | None = None

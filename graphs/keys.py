@@ -61,21 +61,24 @@ def build_keys(decode_sizes: Iterable[int], q_lens: Iterable[int], mixed_extends
     DECODE: ``d`` rows of ``q`` tokens for d in decode_sizes, q in q_lens.
     MIXED: ``e`` prefill rows with a ``p``-token bucket plus ``d`` decode rows of ``q`` tokens.
     EXTEND: ``e`` prefill rows with a ``p``-token bucket.
-    No step has more than ``max_rows`` rows, so a DECODE key's rows are capped at ``max_rows`` and a
-    MIXED key's decode rows at ``max_rows - 1``, the most a step with a prefill row can have: the
-    largest MIXED bucket of ``e`` prefill rows holds every MIXED step of at most ``e`` prefill rows
-    whose tokens fit, its padded rows taking it past ``max_rows`` where the step has fewer prefill rows
-    (a step of 4 prefill rows and 60 decode rows under a 64-row budget runs on (16, 63)). A key whose
-    prefill rows alone reach the budget is dropped, as is one over ``max_tokens`` tokens.
+    No step has more than ``max_rows`` rows, so a DECODE key's rows are capped at ``max_rows``, an
+    EXTEND key's prefill rows too, and a MIXED key's prefill rows and decode rows each at
+    ``max_rows - 1``, the most a step with both can have: the largest MIXED bucket of ``e`` prefill
+    rows holds every MIXED step of at most ``e`` prefill rows whose tokens fit, its padded rows taking
+    it past ``max_rows`` where the step has fewer prefill rows (a step of 4 prefill rows and 60 decode
+    rows under a 64-row budget runs on (16, 63)). So a burst of as many arrivals as the budget allows
+    joins a step on a key whatever the budget. A key over ``max_tokens`` tokens is dropped.
     """
     keys = set()
     q_lens = tuple(q_lens)
+    extends = {min(e, max_rows - 1) for e in mixed_extends} - {0}
     for q in q_lens:
         keys.update(GraphKey(0, q, min(d, max_rows), min(d, max_rows) * q) for d in decode_sizes)
         decodes = {min(d, max_rows - 1) for d in mixed_decode_sizes}
-        keys.update(GraphKey(e, q, e + d, p + d * q) for e in mixed_extends for d in decodes for p in prefill_tokens
-                    if e <= p and e < max_rows)
-    keys.update(GraphKey(e, 1, e, p) for e in extend_sizes for p in prefill_tokens if p >= e and e <= max_rows)
+        keys.update(GraphKey(e, q, e + d, p + d * q) for e in extends for d in decodes for p in prefill_tokens
+                    if e <= p)
+    keys.update(GraphKey(e, 1, e, p) for e in {min(e, max_rows) for e in extend_sizes} for p in prefill_tokens
+                if p >= e)
     fitting = (k for k in keys if k.num_tokens <= max_tokens)
     return tuple(sorted(fitting, key=lambda k: (k.num_tokens, k.bs, k.num_extends, k.q_len_per_req), reverse=True))
 

@@ -61,6 +61,26 @@ def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_p
     assert torch.get_num_threads() == 1  # model_runner.serial_host_ops
 
 
+def test_a_burst_as_large_as_the_row_budget_replays_on_capped_keys(tmp_path):
+    """With 6 rows a step, the 16-row prefill buckets become 5-row MIXED and 6-row EXTEND keys
+    (graphs/keys.build_keys): a burst of 5 arrivals joining a running request, and one of 6 into an
+    idle engine, replay graphs (no step compiled or eager) with the greedy tokens of a plain engine."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3 + i, 5 + i + i % 4)) for i in range(12)]  # 2-5 tokens: a burst fits 64
+    arrivals = [0] + [2] * 5 + [30] * 6  # 30: after the first six have finished
+    options = dict(dtype="float32", max_model_len=256, max_num_seqs=6)
+    plain = Engine(device="cuda", compile=False, cuda_graphs=False, **options)
+    want = {k: v.token_ids for k, v in run_staggered(plain, prompts, params, arrivals).items()}
+    graphs = Engine(device="cuda", compile=False, graph_cache_dir=str(tmp_path), graph_decode_sizes=(1, 2, 4, 8),
+                    graph_mixed_extends=(16,), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
+                    graph_extend_sizes=(16,), **options)
+    got = {k: v.token_ids for k, v in run_staggered(graphs, prompts, params, arrivals).items()}
+    assert got == want
+    stats = graphs.stats()
+    assert stats["compiled_steps"] == stats["eager_steps"] == 0 and stats["steps"]["MIXED"] >= 1, stats
+    assert stats["graph_replays"] == sum(stats["steps"].values()), stats
+
+
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     engine = Engine(str(v3_dir), device="cuda", dtype="float32", page_size=16, compile=False, cuda_graphs=False)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)

@@ -38,10 +38,25 @@ def test_keys_cap_their_decode_rows_at_the_row_budget():
     keys = build_keys(decode_sizes=(4, 64), q_lens=(1,), mixed_extends=(1, 16, 48), mixed_decode_sizes=(4, 64),
                       prefill_tokens=(32,), extend_sizes=(16, 64), max_tokens=1000, max_rows=48)
     assert {k for k in keys if k.mode is ForwardMode.DECODE} == {GraphKey(0, 1, 4, 4), GraphKey(0, 1, 48, 48)}
-    # A MIXED step has at most 47 decode rows; 48 prefill rows leave a MIXED step none.
+    # A MIXED step has at most 47 decode rows, and at most 47 prefill rows (more than a 32-token bucket holds).
     assert {k for k in keys if k.mode is ForwardMode.MIXED} == {
         GraphKey(1, 1, 5, 36), GraphKey(1, 1, 48, 32 + 47), GraphKey(16, 1, 20, 36), GraphKey(16, 1, 63, 32 + 47)}
-    assert {k for k in keys if k.mode is ForwardMode.EXTEND} == {GraphKey(16, 1, 16, 32)}  # 64 rows: over budget
+    assert {k for k in keys if k.mode is ForwardMode.EXTEND} == {GraphKey(16, 1, 16, 32)}  # 48 rows: over 32 tokens
+
+
+def test_keys_cap_their_prefill_rows_at_the_row_budget():
+    """A burst as large as the row budget allows finds a key: prefill buckets past the budget are
+    capped (MIXED at one row less, for its decode row), not dropped."""
+    keys = build_keys(decode_sizes=(8,), q_lens=(1,), mixed_extends=(1, 16, 64), mixed_decode_sizes=(4,),
+                      prefill_tokens=(128,), extend_sizes=(1, 16, 64), max_tokens=1000, max_rows=8)
+    assert {k for k in keys if k.mode is ForwardMode.MIXED} == {GraphKey(1, 1, 5, 132), GraphKey(7, 1, 11, 132)}
+    assert {k for k in keys if k.mode is ForwardMode.EXTEND} == {GraphKey(1, 1, 1, 128), GraphKey(8, 1, 8, 128)}
+    table = KeyTable(keys)
+    assert table.find(Step(7, 100, 1)) == GraphKey(7, 1, 11, 132)
+    assert table.find(Step(8, 100, 0)) == GraphKey(8, 1, 8, 128)
+    assert not {k for k in build_keys(decode_sizes=(1,), q_lens=(1,), mixed_extends=(16,), mixed_decode_sizes=(4,),
+                                      prefill_tokens=(128,), extend_sizes=(), max_tokens=1000, max_rows=1)
+                if k.mode is ForwardMode.MIXED}  # one row: no step has both kinds
 
 
 def test_the_largest_mixed_bucket_holds_every_step_within_the_row_budget():
