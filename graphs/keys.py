@@ -71,14 +71,14 @@ def build_keys(decode_sizes: Iterable[int], q_lens: Iterable[int], mixed_extends
     """
     keys = set()
     q_lens = tuple(q_lens)
-    extends = {min(e, max_rows - 1) for e in mixed_extends} - {0}
+    mixed_rows = {min(e, max_rows - 1) for e in mixed_extends} if max_rows > 1 else set()
+    mixed_decodes = {min(d, max_rows - 1) for d in mixed_decode_sizes}
+    extend_rows = {min(e, max_rows) for e in extend_sizes}
     for q in q_lens:
         keys.update(GraphKey(0, q, min(d, max_rows), min(d, max_rows) * q) for d in decode_sizes)
-        decodes = {min(d, max_rows - 1) for d in mixed_decode_sizes}
-        keys.update(GraphKey(e, q, e + d, p + d * q) for e in extends for d in decodes for p in prefill_tokens
-                    if e <= p)
-    keys.update(GraphKey(e, 1, e, p) for e in {min(e, max_rows) for e in extend_sizes} for p in prefill_tokens
-                if p >= e)
+        keys.update(GraphKey(e, q, e + d, p + d * q) for e in mixed_rows for d in mixed_decodes
+                    for p in prefill_tokens if e <= p)
+    keys.update(GraphKey(e, 1, e, p) for e in extend_rows for p in prefill_tokens if e <= p)
     fitting = (k for k in keys if k.num_tokens <= max_tokens)
     return tuple(sorted(fitting, key=lambda k: (k.num_tokens, k.bs, k.num_extends, k.q_len_per_req), reverse=True))
 

@@ -44,9 +44,9 @@ def prefetch(files: list[Path], budget: int, threads: int = 4) -> int:
     pieces = []
     total = 0
     for path in files:
-        size = min(path.stat().st_size, budget - total)
+        size = max(min(path.stat().st_size, budget - total), 0)
         pieces += [(path, offset, min(_PIECE, size - offset)) for offset in range(0, size, _PIECE)]
-        total += max(size, 0)
+        total += size
     queue = iter(pieces)
     lock = threading.Lock()
 

@@ -64,7 +64,7 @@ def test_a_step_no_key_holds_runs_compiled_in_a_process_with_a_thread_pool(tmp_p
 def test_a_burst_as_large_as_the_row_budget_replays_on_capped_keys(tmp_path):
     """With 6 rows a step, the 16-row prefill buckets become 5-row MIXED and 6-row EXTEND keys
     (graphs/keys.build_keys): a burst of 5 arrivals joining a running request, and one of 6 into an
-    idle engine, replay graphs (no step compiled or eager) with the greedy tokens of a plain engine."""
+    idle engine, replay graphs (no step eager) with the greedy tokens of a plain engine."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [list(range(3 + i, 5 + i + i % 4)) for i in range(12)]  # 2-5 tokens: a burst fits 64
     arrivals = [0] + [2] * 5 + [30] * 6  # 30: after the first six have finished
@@ -77,7 +77,7 @@ def test_a_burst_as_large_as_the_row_budget_replays_on_capped_keys(tmp_path):
     got = {k: v.token_ids for k, v in run_staggered(graphs, prompts, params, arrivals).items()}
     assert got == want
     stats = graphs.stats()
-    assert stats["compiled_steps"] == stats["eager_steps"] == 0 and stats["steps"]["MIXED"] >= 1, stats
+    assert stats["eager_steps"] == 0 and stats["steps"]["MIXED"] >= 1, stats  # compile=False: no compiled steps
     assert stats["graph_replays"] == sum(stats["steps"].values()), stats
 
 
