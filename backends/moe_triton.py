@@ -51,27 +51,31 @@ from encore.backends.pdl import pdl_supported
 from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The alignment compares a chunk of pairs with every expert at once: chunks of 128 pairs or of this
-# many elements, whichever is fewer (E = 64 on an H200: 1.6 µs at T = 1, 4.9 µs at T = 64). The chunk
-# depends on E alone, not on T: no kernel variant per token count (kernel_variants).
-_ALIGN_TILE = 16384
-_ALIGN_WARPS = 4
+# The alignment fills the spare blocks _ALIGN_FILL slots at a time. Its chunk (FusedMoEConfig.align_chunk)
+# and these are constants of a config row, not functions of T: no kernel variant per token count
+# (kernel_variants).
+_ALIGN_FILL = 4096
+_ALIGN_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FusedMoEConfig:
     """block_m: pairs per block (the alignment's padding unit); block_n: output columns per program
     (the gate_up kernel computes block_n of gate and of up); block_k: the reduction tile. Powers of two
-    of at least 16, as ``tl.dot`` needs."""
+    of at least 16, as ``tl.dot`` needs. align_chunk: pairs the alignment reads at a time (a power of
+    two of at least 16): one chunk's worth of work is paid however few pairs there are."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    align_chunk: int = 2048
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)
+        _check(self.align_chunk >= 16 and not self.align_chunk & (self.align_chunk - 1),
+               f"align_chunk={self.align_chunk}: must be a power of two >= 16")
 
 
 def _check_tiles(tile_a: int, tile_b: int, block_k: int, num_warps: int, num_stages: int) -> None:
@@ -87,10 +91,12 @@ def _check_tiles(tile_a: int, tile_b: int, block_k: int, num_warps: int, num_sta
 # one-token kernels (ONE_TOKEN) unless a config is asked for.
 # - T <= 128 (decode): an expert gets few of the T·k pairs (~6 at T = 64), so BM 16, the smallest dot
 #   tile, wastes least. BN 64 · BK 128 in three stages (~108 KB of shared memory: two programs per SM).
+#   The alignment reads 512 pairs at a time (E 66, k 8, H200: 2.1-2.3 µs from 16 to 512 pairs, 3.0 at
+#   1024); larger T reads 2048 (3.7 µs at 2048 pairs, 19 at 16384; 512 pairs at a time took 4.7 and 28).
 # - larger T (prefill, float32 tests): more pairs per expert, so larger BM reuses each weight tile for
 #   more tokens; BM 128 and 8 warps once the experts hold ~100 pairs each.
 _CONFIGS = (
-    (128, FusedMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3)),
+    (128, FusedMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3, align_chunk=512)),
     (256, FusedMoEConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)),
     (512, FusedMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
     (None, FusedMoEConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
@@ -148,7 +154,8 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"], do_not_specialize_on_alignment=["IDS"])
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                  PDL: tl.constexpr):
     # One program per expert: each counts every expert's pairs (the counts place its slots) and then
     # writes only its own slots and blocks, so the programs' stores are disjoint.
     if PDL:  # a programmatic dependent: nothing is read or written before the selection finished; the
@@ -159,9 +166,11 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
     expert = tl.arange(0, BLOCK_E)  # [E]
     chunk = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        ids = tl.load(IDS + p0 + chunk, mask=p0 + chunk < num_pairs, other=-1)  # [C]
-        counts += tl.sum((ids[:, None] == expert[None, :]).to(tl.int32), 0)
+    for p0 in range(0, num_pairs, CHUNK):  # a histogram: O(pairs) a program, not O(pairs · E)
+        pair = p0 + chunk
+        ok = pair < num_pairs
+        ids = tl.load(IDS + pair, mask=ok, other=0).to(tl.int32)  # [C]
+        counts += tl.histogram(ids, BLOCK_E, mask=ok)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     start = tl.sum(tl.where(expert < me, padded, 0))  # experts in ascending order
     count = tl.sum(tl.where(expert == me, counts, 0))
@@ -179,23 +188,26 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
     row = tl.arange(0, BLOCK_M)
     tl.store(SORTED + start + count + row, tl.full([BLOCK_M], 0, tl.int32) + num_pairs,
              mask=count + row < my_blocks * BLOCK_M)
-    for b0 in range(0, my_blocks, CHUNK):
-        tl.store(BLOCK_EXPERT + start // BLOCK_M + b0 + chunk, tl.full([CHUNK], 0, tl.int32) + me,
-                 mask=b0 + chunk < my_blocks)
+    blocks = tl.arange(0, FILL)
+    for b0 in range(0, my_blocks, FILL):
+        tl.store(BLOCK_EXPERT + start // BLOCK_M + b0 + blocks, tl.full([FILL], 0, tl.int32) + me,
+                 mask=b0 + blocks < my_blocks)
     # Blocks past the used ones, shared out among the programs: expert -1, every slot the sentinel.
     used = tl.sum(padded) // BLOCK_M
-    for b0 in range(used + me * CHUNK, num_blocks, tl.num_programs(0) * CHUNK):
-        block = b0 + chunk
-        tl.store(BLOCK_EXPERT + block, tl.full([CHUNK], -1, tl.int32), mask=block < num_blocks)
-        tl.store(SORTED + block[:, None] * BLOCK_M + row[None, :], tl.full([CHUNK, BLOCK_M], 0, tl.int32) + num_pairs,
+    for b0 in range(used + me * FILL, num_blocks, tl.num_programs(0) * FILL):
+        block = b0 + blocks
+        tl.store(BLOCK_EXPERT + block, tl.full([FILL], -1, tl.int32), mask=block < num_blocks)
+        tl.store(SORTED + block[:, None] * BLOCK_M + row[None, :], tl.full([FILL, BLOCK_M], 0, tl.int32) + num_pairs,
                  mask=block[:, None] < num_blocks)
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2048
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, expert) pairs of ``ids`` [T, k] (int64, 0 <= id < E; checking would read the
     device) into per-expert blocks of ``block_m`` -> (sorted_pairs [max_blocks · block_m] int32: pair
     index t·k + j, or the sentinel T·k in padding; block_expert [max_blocks] int32: the block's expert,
-    -1 past the used blocks). Experts in ascending order, each one's pairs in pair order."""
+    -1 past the used blocks). Experts in ascending order, each one's pairs in pair order. ``chunk``: pairs
+    read at a time (FusedMoEConfig.align_chunk)."""
     _check(ids.dim() == 2 and ids.dtype == torch.int64 and ids.is_contiguous(),
            f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [T, k] int64")
     _check(block_m >= 1, f"block_m={block_m}: must be >= 1")
@@ -206,10 +218,11 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     if num_pairs == 0:
         return sorted_pairs, block_expert
     block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(128, _ALIGN_TILE // block_e))
+    fill = max(1, _ALIGN_FILL // block_m)  # spare blocks a store: FILL · BLOCK_M slots
     pdl = pdl_supported(ids.device)
     _align_kernel[(num_experts,)](ids, sorted_pairs, block_expert, num_pairs, blocks, BLOCK_M=block_m,
-                                  BLOCK_E=block_e, CHUNK=chunk, PDL=pdl, num_warps=_ALIGN_WARPS, launch_pdl=pdl)
+                                  BLOCK_E=block_e, CHUNK=chunk, FILL=fill, PDL=pdl, num_warps=_ALIGN_WARPS,
+                                  launch_pdl=pdl)
     return sorted_pairs, block_expert
 
 
@@ -448,7 +461,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if config is None and tokens == 1:
         return one_token_moe(x, w13, w2, weights, ids, num_shared)
     config = config or default_config(tokens, x.dtype)
-    sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m)
+    sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m, config.align_chunk)
     blocks = block_expert.shape[0]
     num_pairs = ids.numel()
     precision = _dot_precision(x.dtype)

@@ -68,6 +68,7 @@ def expected_alignment(ids: torch.Tensor, experts: int, block_m: int) -> tuple[l
 
 
 @in_process
+@pytest.mark.parametrize("chunk", [64, 2048])  # 64: the counts and ranks carried across chunks
 @pytest.mark.parametrize("block_m", [4, 16])
 @pytest.mark.parametrize("tokens, experts, k, spread", [
     (1, 8, 2, None),  # six experts get no token
@@ -75,12 +76,13 @@ def expected_alignment(ids: torch.Tensor, experts: int, block_m: int) -> tuple[l
     (17, 8, 2, None),  # experts repeat across tokens; several blocks per expert at block_m 4
     (17, 8, 1, 1),  # every token on expert 0
     (5, 16, 3, 3),  # experts 3..15 get none
-    (150, 64, 3, None),  # 450 pairs: several alignment chunks, each carrying the counts forward
+    (150, 64, 3, None),  # 450 pairs
+    (40, 66, 8, None),  # V2-Lite's 64 routed + 2 fused shared experts: bins past E in the histogram
 ])
-def test_align_pairs_layout(tokens, experts, k, spread, block_m):
+def test_align_pairs_layout(tokens, experts, k, spread, block_m, chunk):
     gen = torch.Generator().manual_seed(tokens)
     ids = routing(tokens, experts, k, gen, spread)
-    sorted_pairs, block_expert = align_pairs(ids, experts, block_m)
+    sorted_pairs, block_expert = align_pairs(ids, experts, block_m, chunk)
     want_slots, want_blocks = expected_alignment(ids.cpu(), experts, block_m)
     assert block_expert.tolist() == want_blocks
     assert sorted_pairs.tolist() == want_slots
@@ -186,6 +188,8 @@ def test_fused_moe_rejects_bad_inputs():
             fused_moe(x, w13, w2, weights, ids, num_shared=bad)
     with pytest.raises(ValueError, match="block_k=24"):
         FusedMoEConfig(block_m=16, block_n=32, block_k=24, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="align_chunk=24"):
+        FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, align_chunk=24)
 
 
 def test_default_config_by_tokens_and_dtype():
