@@ -51,9 +51,10 @@ from encore.backends.pdl import pdl_supported
 from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The alignment fills the spare blocks _ALIGN_FILL slots at a time. Its chunk (FusedMoEConfig.align_chunk)
-# and these are constants of a config row, not functions of T: no kernel variant per token count
-# (kernel_variants).
+# The alignment reads its pairs _ALIGN_CHUNK at a time unless a config row says otherwise
+# (FusedMoEConfig.align_chunk) and fills the spare blocks _ALIGN_FILL slots at a time: constants, not
+# functions of T, so no kernel variant per token count (kernel_variants).
+_ALIGN_CHUNK = 2048
 _ALIGN_FILL = 4096
 _ALIGN_WARPS = 8
 
@@ -70,19 +71,21 @@ class FusedMoEConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    align_chunk: int = 2048
+    align_chunk: int = _ALIGN_CHUNK
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)
-        _check(self.align_chunk >= 16 and not self.align_chunk & (self.align_chunk - 1),
-               f"align_chunk={self.align_chunk}: must be a power of two >= 16")
+        _check_power_of_two("align_chunk", self.align_chunk)
 
 
 def _check_tiles(tile_a: int, tile_b: int, block_k: int, num_warps: int, num_stages: int) -> None:
     # The MLA kernels' config checks the same rules on tiles, warps and stages; block_k alone is new.
     KernelConfig(tile_a, tile_b, num_warps, num_stages)
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k}: must be a power of two >= 16")
+    _check_power_of_two("block_k", block_k)
+
+
+def _check_power_of_two(name: str, value: int) -> None:
+    _check(value >= 16 and not value & (value - 1), f"{name}={value}: must be a power of two >= 16")
 
 
 # (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
@@ -201,7 +204,7 @@ def _align_kernel(IDS, SORTED, BLOCK_EXPERT, num_pairs, num_blocks,
                  mask=block[:, None] < num_blocks)
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 2048
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = _ALIGN_CHUNK
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, expert) pairs of ``ids`` [T, k] (int64, 0 <= id < E; checking would read the
     device) into per-expert blocks of ``block_m`` -> (sorted_pairs [max_blocks · block_m] int32: pair

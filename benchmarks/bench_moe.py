@@ -61,7 +61,7 @@ class Case:
 
     def fused(self, config: FusedMoEConfig | OneTokenConfig | None = None):
         run = one_token_moe if isinstance(config, OneTokenConfig) else fused_moe
-        return self.calls(run, num_shared=self.shared, **({"config": config} if config else {}))
+        return self.calls(run, num_shared=self.shared, config=config)
 
     def last(self, experts) -> torch.Tensor:
         return self.calls(experts)[-1]()
