@@ -96,7 +96,9 @@ def make_runner(batch_sizes: list[int], context: int, cache_dir: str, all_keys: 
     reports = runner.prepare_graphs()
     torch.cuda.synchronize()
     timings = {"build_s": built - begin, "prepare_s": time.perf_counter() - built,
-               "keys": [{"key": str(r.key), "compile_s": r.compile_s, "capture_s": r.capture_s} for r in reports]}
+               "pool_mib": sum(r.pool_bytes for r in reports) / 2**20,
+               "keys": [{"key": str(r.key), "compile_s": r.compile_s, "capture_s": r.capture_s,
+                         "pool_mib": r.pool_bytes / 2**20} for r in reports]}
     return runner, timings
 
 
@@ -258,7 +260,8 @@ def main() -> None:
         print(f"{label}: ready in {start['ready_s']:.1f}s = imports {start['imports_s']:.1f}s + build "
               f"{start['build_s']:.1f}s + {len(keys)} keys {start['prepare_s']:.1f}s (first calls "
               f"{sum(k['compile_s'] for k in keys):.1f}s, captures {sum(k['capture_s'] for k in keys):.1f}s; "
-              f"slowest {slowest['key']} {slowest['compile_s']:.1f}s + {slowest['capture_s']:.2f}s); "
+              f"slowest {slowest['key']} {slowest['compile_s']:.1f}s + {slowest['capture_s']:.2f}s; graph pool "
+              f"{start['pool_mib']:.0f} MiB); "
               f"graphs compiled {start['compiled_graphs']}, loaded {start['loaded_graphs']}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth,
               "rows": rows, "cold_warmup": cold, "warm_start": warm, "warm_start_no_bytecode": warm_no_bytecode,

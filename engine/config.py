@@ -13,6 +13,22 @@ GRAPH_SIZES = ("graph_decode_sizes", "graph_q_lens", "graph_mixed_extends", "gra
                "graph_prefill_tokens", "graph_extend_sizes")  # the graph keys' buckets
 
 
+def default_decode_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The DECODE keys' rows when ``graph_decode_sizes`` is None: powers of two up to 64, every 32 rows
+    up to 256, every 64 past it, and ``max_num_seqs``, none above it."""
+    sizes = {1, 2, 4, 8, 16, 32, 64, *range(96, 257, 32), *range(320, max_num_seqs + 1, 64), max_num_seqs}
+    return tuple(sorted(s for s in sizes if s <= max_num_seqs))
+
+
+def default_mixed_decode_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The MIXED keys' decode rows when ``graph_mixed_decode_sizes`` is None: 4, 16, 64, the powers of
+    two from 128, and ``max_num_seqs``, none above it (graphs/keys.build_keys caps them at one row
+    fewer, the most a step that also prefills can have)."""
+    sizes = {4, 16, 64, max_num_seqs}
+    sizes.update(1 << e for e in range(7, max_num_seqs.bit_length()))
+    return tuple(sorted(s for s in sizes if s <= max_num_seqs))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """
@@ -37,12 +53,18 @@ class EngineConfig:
     on its mode's compiled graph, or eager where its mode has no key (or ``compile`` is off).
     The keys, ``GraphKey(num_extends, q_len_per_req, bs, num_tokens)``:
     DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (add 1 + k for speculative
-    verify). Powers of two up to 64: padding wastes under half a step, and beyond 64 rows a decode
-    step is long enough that launch overhead, which graphs remove, matters little.
+    verify). None (the default): ``default_decode_sizes(max_num_seqs)``, powers of two up to 64, then
+    every 32 rows up to 256 and every 64 past it, and ``max_num_seqs`` itself, so that every decode step
+    replays. A step of more rows than the largest key launches its compiled graph's kernels one by one:
+    at 160 rows of the V2-Lite shape (27 layers, H200) that took 23-25 ms a step against 9.8 ms for 128
+    rows replayed, fewer tokens a second than 64 rows. Padding costs little there (96 rows on the
+    128-row key took 9.6 ms; benchmarks/README.md, "Overlapped steps", sessions 37 and 38).
     MIXED: up to ``graph_mixed_extends`` prefill rows (fewer are padded with one-token rows on the
     dummy page) whose tokens pad up to a ``graph_prefill_tokens`` bucket, plus
     ``graph_mixed_decode_sizes`` decode rows: a prompt (or a prompt's chunk) riding along running
-    decodes (1), and a burst of arrivals joining them (16, 64).
+    decodes (1), and a burst of arrivals joining them (16, 64). Decode rows, None (the default):
+    ``default_mixed_decode_sizes(max_num_seqs)``, 4, 16, 64 and powers of two from 128 up to
+    ``max_num_seqs``, itself included, so that a prompt joining any number of running decodes replays.
     EXTEND: up to ``graph_extend_sizes`` prefill rows, ``graph_prefill_tokens`` buckets.
     The 64-row prefill buckets (capped at what ``max_num_seqs`` allows) take a burst of calls that a
     server receives while a step runs: without them, 64 streams arriving at a V2-Lite-shape server
@@ -89,10 +111,10 @@ class EngineConfig:
     seed: int = 0
     compile: bool | None = None
     cuda_graphs: bool | None = None
-    graph_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    graph_decode_sizes: tuple[int, ...] | None = None
     graph_q_lens: tuple[int, ...] = (1,)
     graph_mixed_extends: tuple[int, ...] = (1, 16, 64)
-    graph_mixed_decode_sizes: tuple[int, ...] = (4, 16, 64)
+    graph_mixed_decode_sizes: tuple[int, ...] | None = None
     graph_prefill_tokens: tuple[int, ...] = (128, 512, 1024, 2048)
     graph_extend_sizes: tuple[int, ...] = (1, 16, 64)
     graph_cache_dir: str | None = None
@@ -130,6 +152,10 @@ class EngineConfig:
                              "overlap_schedule unset (None) or False with speculative")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
+        if self.graph_decode_sizes is None:
+            object.__setattr__(self, "graph_decode_sizes", default_decode_sizes(self.max_num_seqs))
+        if self.graph_mixed_decode_sizes is None:
+            object.__setattr__(self, "graph_mixed_decode_sizes", default_mixed_decode_sizes(self.max_num_seqs))
         for name in GRAPH_SIZES:
             value = getattr(self, name)
             if (not isinstance(value, (tuple, list))

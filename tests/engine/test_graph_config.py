@@ -24,7 +24,7 @@ def test_sizes_are_normalized_once_and_may_be_empty():
     (dict(cuda_graphs=True), "cuda_graphs=True needs a CUDA device, got device 'cpu'"),
     (dict(compile="yes"), "compile must be True, False or None"),
     (dict(graph_q_lens=()), "graph_q_lens must name at least one decode q_len"),
-    (dict(graph_decode_sizes=None), "graph_decode_sizes must be a sequence of integers"),
+    (dict(graph_decode_sizes=8), "graph_decode_sizes must be a sequence of integers"),
     (dict(graph_prefill_tokens=(64, 0)), r"graph_prefill_tokens .* got \(64, 0\)"),
     (dict(graph_q_lens=(1.5,)), "graph_q_lens"),
     (dict(graph_mixed_extends=(True,)), "graph_mixed_extends"),
