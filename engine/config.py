@@ -52,8 +52,11 @@ class EngineConfig:
     Every key is compiled (and captured) when the engine starts; a step that fits no key runs unpadded
     on its mode's compiled graph, or eager where its mode has no key (or ``compile`` is off).
     The keys, ``GraphKey(num_extends, q_len_per_req, bs, num_tokens)``:
-    DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (add 1 + k for speculative
-    verify). None (the default): ``default_decode_sizes(max_num_seqs)``, powers of two up to 64, then
+    DECODE: ``graph_decode_sizes`` rows of each ``graph_q_lens`` tokens (1 + k is added for speculative
+    verify). ``graph_q_lens`` None (the default): 1, or with speculative decoding 1 + k alone, since
+    its every decode row verifies 1 + k tokens (q_len-1 keys would be 73 of its 158 default keys, 7 s
+    of a warm start on the V2-Lite shape, H200). ``graph_decode_sizes`` None (the default):
+    ``default_decode_sizes(max_num_seqs)``, powers of two up to 64, then
     every 32 rows up to 256 and every 64 past it, and ``max_num_seqs`` itself, so that every decode step
     replays. A step of more rows than the largest key launches its compiled graph's kernels one by one:
     at 160 rows of the V2-Lite shape (27 layers, H200) that took 23-25 ms a step against 9.8 ms for 128
@@ -112,7 +115,7 @@ class EngineConfig:
     compile: bool | None = None
     cuda_graphs: bool | None = None
     graph_decode_sizes: tuple[int, ...] | None = None
-    graph_q_lens: tuple[int, ...] = (1,)
+    graph_q_lens: tuple[int, ...] | None = None
     graph_mixed_extends: tuple[int, ...] = (1, 16, 64)
     graph_mixed_decode_sizes: tuple[int, ...] | None = None
     graph_prefill_tokens: tuple[int, ...] = (128, 512, 1024, 2048)
@@ -152,6 +155,9 @@ class EngineConfig:
                              "overlap_schedule unset (None) or False with speculative")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
+        if self.graph_q_lens is None:
+            verify = self.speculative.num_speculative_tokens + 1 if self.speculative is not None else 1
+            object.__setattr__(self, "graph_q_lens", (verify,))
         if self.graph_decode_sizes is None:
             object.__setattr__(self, "graph_decode_sizes", default_decode_sizes(self.max_num_seqs))
         if self.graph_mixed_decode_sizes is None:

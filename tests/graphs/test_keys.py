@@ -108,29 +108,36 @@ def test_bad_keys_are_refused_with_the_reason(fields, message):
 
 
 def test_speculative_decoding_adds_verify_keys():
+    """Every decode row of a speculative engine verifies 1 + k tokens: by default it gets verify keys
+    alone; q_lens asked for are kept."""
     from encore.engine.config import EngineConfig
     from encore.graphs.keys import keys_for
 
-    config = EngineConfig(model="m", device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 3},
-                          graph_decode_sizes=(2,), graph_mixed_extends=(), graph_extend_sizes=())
-    assert set(keys_for(config)) == {GraphKey(0, 1, 2, 2), GraphKey(0, 4, 2, 8)}
+    options = dict(model="m", device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 3},
+                   graph_decode_sizes=(2,), graph_mixed_extends=(), graph_extend_sizes=())
+    assert set(keys_for(EngineConfig(**options))) == {GraphKey(0, 4, 2, 8)}
+    assert set(keys_for(EngineConfig(**options, graph_q_lens=(1,)))) == {GraphKey(0, 1, 2, 2), GraphKey(0, 4, 2, 8)}
+    assert EngineConfig(model="m", device="cpu").graph_q_lens == (1,)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 7, 64, 100, 256, 512])
-def test_default_buckets_key_every_decode_and_mixed_step_the_row_budget_allows(max_num_seqs):
-    """With the default decode sizes no decode step, and no prompt step of one prefill row riding along
-    running decodes, falls past the keys (a step no key holds launches kernel by kernel); padding
-    stays under half the key's rows past 8 decode rows, under a third past 64."""
+@pytest.mark.parametrize("k", [0, 2])
+def test_default_buckets_key_every_decode_and_mixed_step_the_row_budget_allows(max_num_seqs, k):
+    """With the default decode sizes no decode step (of 1 token a row, or of 1 + k with k drafts), and
+    no prompt step of one prefill row riding along running decodes, falls past the keys (a step no key
+    holds launches kernel by kernel); padding stays under half the key's rows past 8 decode rows,
+    under a third past 64."""
     from encore.engine.config import EngineConfig
     from encore.graphs.keys import keys_for
 
-    config = EngineConfig(model="m", device="cpu", max_num_seqs=max_num_seqs, speculative={"method": "ngram", "num_speculative_tokens": 2})
-    table = KeyTable(keys_for(config))
-    for q_len in (1, 3):
-        for rows in range(1, max_num_seqs + 1):
-            key = table.find(Step(0, 0, rows, q_len))
-            assert key is not None and key.q_len_per_req == q_len, (rows, q_len)
-            assert rows <= 8 or rows > key.bs / 2, (rows, key)
-            assert rows <= 64 or rows > key.bs * 2 / 3, (rows, key)
-            if rows < max_num_seqs:
-                assert table.find(Step(1, 100, rows, q_len)) is not None, (rows, q_len)
+    spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+    table = KeyTable(keys_for(EngineConfig(model="m", device="cpu", max_num_seqs=max_num_seqs, speculative=spec)))
+    assert {key.q_len_per_req for key in table.keys if key.num_decodes} == {1 + k}
+    q_len = 1 + k
+    for rows in range(1, max_num_seqs + 1):
+        key = table.find(Step(0, 0, rows, q_len))
+        assert key is not None and key.q_len_per_req == q_len, rows
+        assert rows <= 8 or rows > key.bs / 2, (rows, key)
+        assert rows <= 64 or rows > key.bs * 2 / 3, (rows, key)
+        if rows < max_num_seqs:
+            assert table.find(Step(1, 100, rows, q_len)) is not None, rows
