@@ -41,4 +41,8 @@ class SpecConfig:
         if unknown:
             raise ValueError(f"unknown speculative options {sorted(unknown)}; "
                              f"allowed: {sorted(SpecConfig.__dataclass_fields__)}")
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in raw]
+        if missing:
+            raise ValueError(f"speculative options {raw!r} lack {missing}: method and num_speculative_tokens "
+                             "are required")
         return SpecConfig(**raw)

@@ -218,6 +218,8 @@ def test_speculative_config_errors_name_the_problem(v3_dir, small_vocab_eagle3):
         Engine(str(v3_dir), device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown speculative options"):
         Engine(str(v3_dir), device="cpu", speculative={"method": "ngram", "num_speculative_tokens": 1, "k": 2})
+    with pytest.raises(ValueError, match=r"options \{'method': 'ngram'\} lack \['num_speculative_tokens'\]"):
+        Engine(str(v3_dir), device="cpu", speculative={"method": "ngram"})
 
 
 # ---- EAGLE-3 -------------------------------------------------------------------------------------
