@@ -49,6 +49,15 @@ every later plan calls the native planner behind it directly and refreshes the r
 buffers (``_Replanner``), checking that the plan's layout is the one the graph captured. Where
 flashinfer's internals differ from what ``_Replanner`` reads, every plan takes ``wrapper.plan``,
 counted in ``slow_replans`` with one warning.
+
+A plan lives in a wrapper's integer workspace (8 MiB on the device and 8 MiB of pinned host memory,
+which flashinfer allocates per wrapper), read by the step's kernels: with a static plan per graph key
+and step part, 130 of them at the default keys, that was ~1 GiB of each. A step holds at most one
+prefill plan and one decode plan, and each replay re-plans first, in stream order; so the static plans
+re-planned natively share two integer workspaces, one for prefill plans and one for decode plans
+(``_PlanSpace``), moved onto them after their first ``wrapper.plan``. (H200, V2-Lite shape, the
+default keys: the device memory allocated while they are prepared went from 2354 to 1330 MiB;
+benchmarks/README.md, "Session 38".)
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from encore.engine.kv_cache import DUMMY_PAGE
 log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one, shared by every wrapper
+_INT_WORKSPACE_BYTES = 8 << 20  # the integer workspace flashinfer's fa2/fa3 MLA backends allocate
 SMALL_DECODE_TOKENS = 4  # decode steps of at most this many tokens take the Triton kernel under "auto"
 _MLA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -153,6 +163,30 @@ class _PinnedUploads:
         self._copied.record()
 
 
+class _PlanSpace:
+    """An integer workspace (device and pinned host) that static plans of one step part share: a
+    step plans at most one of them, right before its replay (module docstring), and the pinned
+    buffer's uploads are fenced across all of them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.int_workspace = torch.empty(_INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.pinned = torch.empty(_INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.fence = _PinnedUploads()
+
+    def adopt(self, wrapper) -> bool:
+        """Points ``wrapper``'s planned backend (and the wrapper's mirrors of it) at this space's
+        buffers; False, leaving it as it was, where they are not the ones flashinfer allocates."""
+        backend = getattr(wrapper, "_planned_backend", None)
+        names = ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
+        if any(not isinstance(b, torch.Tensor) or b.numel() != _INT_WORKSPACE_BYTES
+               for b in (getattr(backend, name, None) for name in names)):
+            return False
+        for target in (backend, wrapper):
+            target._int_workspace_buffer = self.int_workspace
+            target._pin_memory_int_workspace_buffer = self.pinned
+        return True
+
+
 class _Replanner:
     """Re-plans a CUDA-graph wrapper that ``wrapper.plan`` has planned once, through the native planner
     that plan called (flashinfer's generated fa2/fa3 module), then refreshes the reserved metadata
@@ -202,19 +236,22 @@ class _Replanner:
 
 
 class _MLAPlan:
-    """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans own reserved
-    metadata buffers sized for ``rows`` rows over ``max_pages`` pages in all (graph-capturable); after
-    their first plan they re-plan through a ``_Replanner`` when flashinfer allows it."""
+    """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans (``space``
+    given) own reserved metadata buffers sized for ``rows`` rows over ``max_pages`` pages in all
+    (graph-capturable); after their first plan they re-plan through a ``_Replanner`` when flashinfer
+    allows it, in ``space``'s integer workspace."""
 
-    def __init__(self, workspace: torch.Tensor, rows: int | None, max_pages: int | None) -> None:
+    def __init__(self, workspace: torch.Tensor, rows: int | None = None, max_pages: int | None = None,
+                 space: _PlanSpace | None = None) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self.static = rows is not None
+        self.static = space is not None
+        self.space = space
         self.planned = False
         self.replanner: _Replanner | None = None
-        self._fence = _PinnedUploads()
+        self._fence = space.fence if space is not None else _PinnedUploads()
         self.slow_replans = 0  # static re-plans that went through wrapper.plan
-        if rows is None:
+        if space is None:
             self.wrapper = BatchMLAPagedAttentionWrapper(workspace)
         else:
             device = workspace.device
@@ -235,23 +272,37 @@ class _MLAPlan:
         from flashinfer.mla import MLAPlanMetadata
 
         kv_indices = _row_pages(page_table, rows)  # [pages]
-        if self.replanner is not None and self.replanner(rows, kv_indices, dims.num_heads, dims.kv_lora_rank, causal):
+        replan = (rows, kv_indices, dims.num_heads, dims.kv_lora_rank, causal)
+        if self.replanner is not None and self.replanner(*replan):
             return
-        metadata = MLAPlanMetadata.csr(qo_indptr=rows.qo_indptr, kv_indptr=rows.kv_indptr,
-                                       kv_indices=kv_indices, kv_len_arr=rows.kv_len)
-        self.wrapper.plan(metadata=metadata, num_heads=dims.num_heads, head_dim_ckv=dims.kv_lora_rank,
-                          head_dim_kpe=dims.qk_rope_head_dim, page_size=page_size, causal=causal,
-                          sm_scale=dims.softmax_scale, q_data_type=dtype, kv_data_type=kv_dtype,
-                          query_layout="split", kv_cache_layout="packed")
+
+        def plan() -> None:
+            metadata = MLAPlanMetadata.csr(qo_indptr=rows.qo_indptr, kv_indptr=rows.kv_indptr,
+                                           kv_indices=kv_indices, kv_len_arr=rows.kv_len)
+            self.wrapper.plan(metadata=metadata, num_heads=dims.num_heads, head_dim_ckv=dims.kv_lora_rank,
+                              head_dim_kpe=dims.qk_rope_head_dim, page_size=page_size, causal=causal,
+                              sm_scale=dims.softmax_scale, q_data_type=dtype, kv_data_type=kv_dtype,
+                              query_layout="split", kv_cache_layout="packed")
+
+        plan()
         if not self.static:
             return
         if self.planned:
             self.slow_replans += 1
             return
         self.planned = True
-        self.replanner = _Replanner.of(self.wrapper)
-        if self.replanner is None:
+        if _Replanner.of(self.wrapper) is None:
             _warn_slow_replans()
+            return
+        # Onto the shared workspace (module docstring), once the first plan's upload from the buffers
+        # being dropped has run (flashinfer copies from its pinned buffer outside torch's knowledge),
+        # then this plan again, there.
+        torch.cuda.current_stream().synchronize()
+        if self.space.adopt(self.wrapper):
+            replanner = _Replanner.of(self.wrapper)
+            if not replanner(*replan):
+                plan()
+        self.replanner = _Replanner.of(self.wrapper)
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
             cache: torch.Tensor, out: torch.Tensor) -> None:
@@ -296,8 +347,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._ragged = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self._ragged_fence = _PinnedUploads()
-        self._eager_decode_mla = _MLAPlan(self.workspace, None, None)
-        self._eager_prefill_mla = _MLAPlan(self.workspace, None, None)
+        self._eager_decode_mla = _MLAPlan(self.workspace)
+        self._eager_prefill_mla = _MLAPlan(self.workspace)
+        self._spaces: dict[str, _PlanSpace] = {}  # "prefill" / "decode": the static plans' shared workspaces
         self._static: dict[tuple, _MLAPlan] = {}
         self._device_planned = TritonAttentionBackend(kv_caches, dims)
         self._prefill: _MLAPlan | _RaggedPrefill | None = None
@@ -364,7 +416,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _static_plan(self, key: tuple, rows: int, max_pages: int, width: int) -> _MLAPlan:
         plan = self._static.get(key + (width,))
         if plan is None:
-            plan = self._static[key + (width,)] = _MLAPlan(self.workspace, rows, max_pages)
+            part = key[0]  # "prefill" or "decode": a step plans at most one of each
+            space = self._spaces.get(part)
+            if space is None:
+                space = self._spaces[part] = _PlanSpace(self.workspace.device)
+            plan = self._static[key + (width,)] = _MLAPlan(self.workspace, rows, max_pages, space)
         return plan
 
     def _plan_ragged(self, batch: ForwardBatch, q_lens: list[int]) -> _RaggedPrefill:

@@ -84,6 +84,15 @@ def test_auto_runs_small_decode_steps_on_the_triton_kernel(case, on_triton, stat
         assert (backend._decode is None) == (routed or not batch.num_decodes)
 
 
+def load(static, step) -> None:
+    """``step``'s rows into the static step whose buffers a captured graph reads."""
+    for name in ("seq_lens", "prefix_lens", "qo_indptr", "positions", "slot_mapping"):
+        getattr(static, name).copy_(getattr(step, name))
+    static.page_table.zero_()
+    static.page_table[:, :step.page_table.shape[1]].copy_(step.page_table)
+    static.seq_lens_cpu, static.prefix_lens_cpu = step.seq_lens_cpu, step.prefix_lens_cpu
+
+
 @pytest.mark.parametrize("replan", ["native", "wrapper"])
 @pytest.mark.parametrize("layout", ["decode-q1", "mixed-q3"])
 def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
@@ -106,15 +115,8 @@ def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
     backend = backend_cls()(caches, DIMS)
     context = StepContext(backend)
 
-    def load(step):  # the graph's inputs live in ``static``'s buffers
-        for name in ("seq_lens", "prefix_lens", "qo_indptr", "positions", "slot_mapping"):
-            getattr(static, name).copy_(getattr(step, name))
-        static.page_table.zero_()
-        static.page_table[:, :step.page_table.shape[1]].copy_(step.page_table)
-        static.seq_lens_cpu, static.prefix_lens_cpu = step.seq_lens_cpu, step.prefix_lens_cpu
-
     assert first.num_tokens == second.num_tokens
-    load(first)
+    load(static, first)
     with context.bind(static):
         backend.plan(static, static=True)
         latent_attention(*inputs, caches[0])  # warm-up: JIT and workspace
@@ -122,7 +124,7 @@ def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = latent_attention(*inputs, caches[0])
-    load(second)
+    load(static, second)
     with context.bind(static):
         backend.plan(static, static=True)
         graph.replay()
@@ -132,6 +134,53 @@ def test_static_plan_replays_in_a_cuda_graph(layout, replan, monkeypatch):
     plans = list(backend._static.values())
     assert all((plan.replanner is not None) == (replan == "native") for plan in plans)
     assert backend.slow_replans == (0 if replan == "native" else len(plans))
+
+
+def test_static_plans_share_a_workspace_per_step_part_and_replay_in_turns():
+    """A step plans at most one prefill and one decode plan, each right before its replay, so the
+    static plans re-planned natively share one integer workspace for decode rows and one for prefill
+    rows (flashinfer allocates 8 MiB of device and of pinned memory per wrapper). Two shapes whose
+    decode plans share one, each captured in a CUDA graph, then re-planned and replayed in turns on
+    other lengths: every replay matches the reference, the one after the other shape's re-plan too."""
+    backend = context = None
+    shapes = []
+    for layout, seed in (("decode-q1", 2), ("mixed-q3", 4)):
+        extends, decodes, q_len = LAYOUTS[layout]
+        first = make_step(extends, decodes, q_len, 16, torch.bfloat16, DIMS, seed=seed - 1)[0]
+        grown = [(p + 3, n) for p, n in extends], [s + 25 for s in decodes]
+        second, cache, inputs = make_step(*grown, q_len, 16, torch.bfloat16, DIMS, seed=seed)
+        static = make_step(*grown, q_len, 16, torch.bfloat16, DIMS, seed=seed)[0]
+        static.page_table = torch.zeros(static.bs, max(first.page_table.shape[1], second.page_table.shape[1]),
+                                        dtype=torch.int32, device="cuda")
+        if backend is None:
+            backend = backend_cls()([cache.clone()], DIMS)
+            context = StepContext(backend)
+        load(static, first)
+        with context.bind(static):
+            backend.plan(static, static=True)
+            latent_attention(*inputs, cache)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = latent_attention(*inputs, cache)
+        shapes.append([static, second, cache, inputs, graph, out, None])
+    plans = backend._static
+    assert len(plans) == 3 and all(plan.replanner is not None for plan in plans.values())
+    workspaces = {part: {plan.wrapper._int_workspace_buffer.data_ptr() for key, plan in plans.items() if key[0] == part}
+                  for part in ("decode", "prefill")}
+    assert len(workspaces["decode"]) == len(workspaces["prefill"]) == 1
+    assert workspaces["decode"] != workspaces["prefill"]
+    for shape in (shapes[0], shapes[1], shapes[0], shapes[1]):
+        static, second, cache, inputs, graph, out, want = shape
+        load(static, second)
+        with context.bind(static):
+            backend.plan(static, static=True)
+            graph.replay()
+        if want is None:  # the reference reads the cache as the replay left it (it writes the step's latents)
+            want = shape[-1] = run_backend(TorchAttentionBackend, second, cache, inputs, DIMS)[0]
+        keep = real_tokens(second)
+        assert max_rel_error(out[keep], want[keep]) < TOL[torch.bfloat16]
+    assert backend.slow_replans == 0
 
 
 def test_static_prefill_plans_keep_their_layout_whatever_the_rows_query_lengths():
