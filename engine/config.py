@@ -56,12 +56,12 @@ class EngineConfig:
     verify). ``graph_q_lens`` None (the default): 1, or with speculative decoding 1 + k alone, since
     its every decode row verifies 1 + k tokens (q_len-1 keys would be 73 of its 158 default keys, 7 s
     of a warm start on the V2-Lite shape, H200). ``graph_decode_sizes`` None (the default):
-    ``default_decode_sizes(max_num_seqs)``, powers of two up to 64, then
-    every 32 rows up to 256 and every 64 past it, and ``max_num_seqs`` itself, so that every decode step
-    replays. A step of more rows than the largest key launches its compiled graph's kernels one by one:
-    at 160 rows of the V2-Lite shape (27 layers, H200) that took 23-25 ms a step against 9.8 ms for 128
-    rows replayed, fewer tokens a second than 64 rows. Padding costs little there (96 rows on the
-    128-row key took 9.6 ms; benchmarks/README.md, "Overlapped steps", sessions 37 and 38).
+    ``default_decode_sizes(max_num_seqs)``, powers of two up to 64, then every 32 rows up to 256 and
+    every 64 past it, and ``max_num_seqs`` itself, so that every decode step replays. A step of more
+    rows than the largest key launches its compiled graph's kernels one by one: at 96-256 rows of the
+    V2-Lite shape (27 layers, H200) that took 24-35 ms a step, against 9.6-10.3 ms replayed, where
+    padding costs little (96 rows on the 128-row key: 9.6 ms; benchmarks/README.md, "Overlapped
+    steps", sessions 37 and 38).
     MIXED: up to ``graph_mixed_extends`` prefill rows (fewer are padded with one-token rows on the
     dummy page) whose tokens pad up to a ``graph_prefill_tokens`` bucket, plus
     ``graph_mixed_decode_sizes`` decode rows: a prompt (or a prompt's chunk) riding along running
