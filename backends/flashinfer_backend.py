@@ -297,7 +297,7 @@ class _MLAPlan:
         # Onto the shared workspace (module docstring), once the first plan's upload from the buffers
         # being dropped has run (flashinfer copies from its pinned buffer outside torch's knowledge),
         # then this plan again, there.
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(self.space.int_workspace.device).synchronize()
         if self.space.adopt(self.wrapper):
             replanner = _Replanner.of(self.wrapper)
             if not replanner(*replan):
