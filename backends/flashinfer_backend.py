@@ -245,8 +245,7 @@ class _MLAPlan:
                  space: _PlanSpace | None = None) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self.static = space is not None
-        self.space = space
+        self.space = space  # None: an eager plan
         self.planned = False
         self.replanner: _Replanner | None = None
         self._fence = space.fence if space is not None else _PinnedUploads()
@@ -285,7 +284,7 @@ class _MLAPlan:
                               query_layout="split", kv_cache_layout="packed")
 
         plan()
-        if not self.static:
+        if self.space is None:
             return
         if self.planned:
             self.slow_replans += 1
@@ -298,11 +297,9 @@ class _MLAPlan:
         # being dropped has run (flashinfer copies from its pinned buffer outside torch's knowledge),
         # then this plan again, there.
         torch.cuda.current_stream(self.space.int_workspace.device).synchronize()
-        if self.space.adopt(self.wrapper):
-            replanner = _Replanner.of(self.wrapper)
-            if not replanner(*replan):
-                plan()
-        self.replanner = _Replanner.of(self.wrapper)
+        if self.space.adopt(self.wrapper) and not _Replanner.of(self.wrapper)(*replan):
+            plan()
+        self.replanner = _Replanner.of(self.wrapper)  # the backend the last plan left
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
             cache: torch.Tensor, out: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 METHODS = ("mtp", "eagle3", "ngram", "replay")
 
@@ -41,8 +41,8 @@ class SpecConfig:
         if unknown:
             raise ValueError(f"unknown speculative options {sorted(unknown)}; "
                              f"allowed: {sorted(SpecConfig.__dataclass_fields__)}")
-        missing = [name for name in ("method", "num_speculative_tokens") if name not in raw]
+        required = [f.name for f in fields(SpecConfig) if f.default is MISSING]
+        missing = [name for name in required if name not in raw]
         if missing:
-            raise ValueError(f"speculative options {raw!r} lack {missing}: method and num_speculative_tokens "
-                             "are required")
+            raise ValueError(f"speculative options {raw!r} lack {missing}: {' and '.join(required)} are required")
         return SpecConfig(**raw)

@@ -163,21 +163,23 @@ def test_static_plans_share_a_workspace_per_step_part_and_replay_in_turns():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = latent_attention(*inputs, cache)
-        shapes.append([static, second, cache, inputs, graph, out, None])
+        shapes.append((static, second, cache, inputs, graph, out))
     plans = backend._static
     assert len(plans) == 3 and all(plan.replanner is not None for plan in plans.values())
     workspaces = {part: {plan.wrapper._int_workspace_buffer.data_ptr() for key, plan in plans.items() if key[0] == part}
                   for part in ("decode", "prefill")}
     assert len(workspaces["decode"]) == len(workspaces["prefill"]) == 1
     assert workspaces["decode"] != workspaces["prefill"]
-    for shape in (shapes[0], shapes[1], shapes[0], shapes[1]):
-        static, second, cache, inputs, graph, out, want = shape
+    wants = {}
+    for i in (0, 1, 0, 1):
+        static, second, cache, inputs, graph, out = shapes[i]
         load(static, second)
         with context.bind(static):
             backend.plan(static, static=True)
             graph.replay()
-        if want is None:  # the reference reads the cache as the replay left it (it writes the step's latents)
-            want = shape[-1] = run_backend(TorchAttentionBackend, second, cache, inputs, DIMS)[0]
+        if i not in wants:  # the reference reads the cache as the replay left it (it writes the step's latents)
+            wants[i] = run_backend(TorchAttentionBackend, second, cache, inputs, DIMS)[0]
+        want = wants[i]
         keep = real_tokens(second)
         assert max_rel_error(out[keep], want[keep]) < TOL[torch.bfloat16]
     assert backend.slow_replans == 0
