@@ -181,7 +181,7 @@ class ModelRunner:
         self.max_pages_per_row = -(-row_tokens // config.page_size)
         drafter = ({"method": spec.method, "config": asdict(draft) if draft else None}
                    if self.with_mtp or draft is not None else None)
-        cache = (GraphCache.for_engine(config, cfg, self.num_pages, drafter)
+        cache = (GraphCache.for_engine(config, cfg, drafter)
                  if config.use_compile or config.use_cuda_graphs else None)
         self.graphs = self._graph_runner(config, cache) if cache is not None else None
         self.graph_cache = cache if self.graphs is not None else None
@@ -204,7 +204,7 @@ class ModelRunner:
             # One compile worker on the CPU: a worker pool's start-up outweighs what it parallelizes
             # for graphs this size, and it competes with the model's own threads.
             compiled = CompiledModel(self.model, passes_for, compile_threads=1 if self.device.type == "cpu" else None,
-                                     artifacts=cache.precompiled_dir)
+                                     artifacts=cache.precompiled_dir, pools=self.kv_pools)
         buffers = StepBuffers(max(k.num_tokens for k in keys), max(k.bs for k in keys), self.max_pages_per_row,
                               config.page_size, self.device, full_page_table=config.use_cuda_graphs)
         return GraphRunner(self.model, self.backend, self.context, keys, buffers, compiled, config.use_cuda_graphs)
@@ -314,6 +314,11 @@ class ModelRunner:
         self.eager_steps += 1
         hidden = self._forward_eager(batch)
         return hidden if token_ids is None else hidden[token_ids]
+
+    @property
+    def kv_pools(self) -> list[torch.Tensor]:
+        """Every paged KV cache, each [num_pages, ...]: the target's latent caches and EAGLE-3's."""
+        return self.kv_caches + ([self.draft_kv_cache.cache] if self.draft_kv_cache is not None else [])
 
     @property
     def replayed(self) -> bool:

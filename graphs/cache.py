@@ -6,8 +6,8 @@ Layout, under ``graph_cache_dir`` (default ``$XDG_CACHE_HOME/encore/graphs``)::
                                      growth, and a summary per graph family
     <identity hash>/inductor/        Inductor's caches (FX graphs, AOTAutograd, generated kernels; their
                                      Triton binaries in Triton's own cache, ``model_runner.triton_as_every_start``)
-    <identity hash>/precompiled/kv_pages-<N>/  one precompiled graph per family (graphs/compiler.py), per
-                                     KV pool size (``GraphCache.precompiled_dir``)
+    <identity hash>/precompiled/     one precompiled graph per family (graphs/compiler.py), for any KV
+                                     pool size (``GraphCache.precompiled_dir``)
     flashinfer/                      flashinfer's JIT builds, when flashinfer is installed and
                                      FLASHINFER_WORKSPACE_BASE is not set (``GraphCache.active``)
 
@@ -136,14 +136,12 @@ def _families(reports: list) -> dict[str, dict]:
 class GraphCache:
     root: Path
     ident: dict
-    kv_pages: int  # the engine's KV pool (``precompiled_dir``)
 
     @staticmethod
-    def for_engine(config: EngineConfig, model_config: ModelConfig, kv_pages: int,
-                   drafter: dict | None = None) -> GraphCache:
+    def for_engine(config: EngineConfig, model_config: ModelConfig, drafter: dict | None = None) -> GraphCache:
         ident = identity(config, model_config, drafter)
         base = Path(config.graph_cache_dir) if config.graph_cache_dir else default_cache_root()
-        return GraphCache(base / _digest(ident), ident, kv_pages)
+        return GraphCache(base / _digest(ident), ident)
 
     @property
     def manifest_path(self) -> Path:
@@ -155,11 +153,11 @@ class GraphCache:
 
     @property
     def precompiled_dir(self) -> Path:
-        """Per KV pool size: the latent caches are graph inputs whose shape dynamo guards, and an engine
-        sizes its pool from the memory free at start-up. One directory for all sizes had a start whose
-        pool differed load precompiled graphs only to have their guards reject it and compile every
-        family again; Inductor's cache, shared, still serves that compile."""
-        return self.root / "precompiled" / f"kv_pages-{self.kv_pages}"
+        """One for every KV pool size: an engine sizes its pool from the memory free at start-up, so the
+        pool's page count is a symbol of the compiled graphs, not a guarded constant (model_runner marks
+        it dynamic). When it was guarded, a start with one page more or less than the cache's (a few MB
+        of free memory) compiled every family again: 204 s for V2-Lite on an H200 (session 38)."""
+        return self.root / "precompiled"
 
     @property
     def drafter_artifact(self) -> Path:

@@ -11,13 +11,17 @@ reach the graph: the model reads none of them, and the attention ops read them f
 
 What is symbolic: dim 0 of ``input_ids`` and ``positions`` (T, the step's tokens), marked with
 ``torch._dynamo.mark_dynamic`` on every call, under ``dynamic=False``: ``dynamic=True`` would also
-make the latent caches, the RoPE table and every other tensor the step touches dynamic, and
+make the weights, the RoPE table and every other tensor the step touches dynamic, and
 automatic dynamic would turn any other shape that changes into a symbol silently. A MIXED step also
 passes a view of its first ``num_extend_tokens`` ids (n, marked too): the dispatch-split pass cuts
 attention at n, so n must be a graph input, which ``aten_graph`` tags ``meta["step_size"] =
-NUM_EXTEND_TOKENS`` for the passes. Everything else is static and guarded: a different dtype, device
-or cache shape recompiles the family. Dynamo guards nothing on the ``ForwardBatch`` argument: the
-traced code only passes it along.
+NUM_EXTEND_TOKENS`` for the passes. So is dim 0 of every KV pool (its page count): an engine sizes
+its pool from the memory free at start-up, and a precompiled graph must serve a start with a page
+more or less. The pools persist from step to step, and a precompiled graph's guards, loaded from its
+file, reject a tensor dynamo-marked at run time (the saved guards keep no tensor's marks), so
+``symbolic_sizes`` marks the pools only while dynamo may trace and unmarks them after. Everything
+else is static and guarded: a different dtype, device or cache width recompiles the family. Dynamo
+guards nothing on the ``ForwardBatch`` argument: the traced code only passes it along.
 
 Why ``backed_size_oblivious``: a backed size is otherwise specialized when it is 0 or 1 (a bs=1
 DECODE key has T = 1), and a graph traced at T = 64 guards T >= 2, so the bs=1 key would compile a
@@ -213,10 +217,20 @@ def fresh_entry(entry: Callable = _entry) -> Callable:
 
 
 @contextmanager
-def symbolic_sizes() -> Iterator[None]:
-    """Where a family's graph is traced and compiled: 0 and 1 stay in a size's range (module docstring)."""
-    with fx_config.patch(backed_size_oblivious=True):
-        yield
+def symbolic_sizes(pools: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """Where a family's graph is traced and compiled: 0 and 1 stay in a size's range, and dim 0 of
+    every KV pool in ``pools`` is marked dynamic, then unmarked (module docstring): dynamo has no unmark,
+    and its marks are Python attributes of the tensor, so each pool gets back the attributes it had."""
+    attributes = [dict(vars(pool)) for pool in pools]
+    for pool in pools:
+        torch._dynamo.mark_dynamic(pool, 0)
+    try:
+        with fx_config.patch(backed_size_oblivious=True):
+            yield
+    finally:
+        for pool, before in zip(pools, attributes):
+            vars(pool).clear()
+            vars(pool).update(before)
 
 
 def step_inputs(key: GraphKey, batch: ForwardBatch, mark: bool = True) -> tuple:
@@ -257,10 +271,13 @@ class CompiledFamily:
     -> hidden``) through ``backend``, precompiled to (or loaded from) ``artifact`` when one is given and
     torch can (module docstring). Each call passes ``inputs(mark)``, the entry's arguments with their
     symbolic dims marked for dynamo when ``mark`` (a precompiled graph is called with them unmarked), and
-    ``shape``, what the call is, for the warning when a precompiled graph's guards reject it."""
+    ``shape``, what the call is, for the warning when a precompiled graph's guards reject it. ``pools``:
+    the KV pools the entry reaches, whose page count is symbolic too (module docstring)."""
 
-    def __init__(self, backend: EncoreBackend, artifact: Path | None, entry: Callable = _entry) -> None:
+    def __init__(self, backend: EncoreBackend, artifact: Path | None, entry: Callable = _entry,
+                 pools: Sequence[torch.Tensor] = ()) -> None:
         self.backend = backend
+        self.pools = pools
         self.entry = fresh_entry(entry)
         self.dynamo = torch.compile(self.entry, backend=backend, fullgraph=True, dynamic=False)
         self.artifact = artifact if _aot_compile_fullgraph() is not None else None
@@ -273,7 +290,7 @@ class CompiledFamily:
         hidden = self._run_precompiled(inputs, shape)
         if hidden is not None:
             return hidden
-        with symbolic_sizes():
+        with symbolic_sizes(self.pools):
             return self.dynamo(*inputs(True))
 
     def run_built(self, inputs: Callable[[bool], tuple], shape: object) -> torch.Tensor | None:
@@ -283,7 +300,7 @@ class CompiledFamily:
         if hidden is not None:
             return hidden
         try:
-            with symbolic_sizes(), torch.compiler.set_stance("fail_on_recompile"):
+            with symbolic_sizes(self.pools), torch.compiler.set_stance("fail_on_recompile"):
                 return self.dynamo(*inputs(True))
         except RuntimeError as exc:
             if "fail_on_recompile" not in str(exc):
@@ -327,7 +344,7 @@ class CompiledFamily:
         then the ordinary entry compiles it for this process only."""
         compiles = self.backend.record.compiles
         try:
-            with symbolic_sizes():
+            with symbolic_sizes(self.pools):
                 example = (inputs(True), {})
                 if hasattr(self.dynamo, "aot_compile"):
                     precompiled = self.dynamo.aot_compile(example)
@@ -353,11 +370,13 @@ class CompiledModel:
 
     ``passes_for(family)`` builds the family's pass list (passes are specialized by family). With
     ``artifacts`` (a directory) and Inductor on, each family is precompiled there, or loaded from
-    there when an earlier process did it (module docstring)."""
+    there when an earlier process did it (module docstring). ``pools``: the model's KV pools."""
 
     def __init__(self, model: torch.nn.Module, passes_for: Callable[[ForwardMode], Sequence[GraphPass]],
-                 inductor: bool = True, compile_threads: int | None = None, artifacts: Path | None = None) -> None:
+                 inductor: bool = True, compile_threads: int | None = None, artifacts: Path | None = None,
+                 pools: Sequence[torch.Tensor] = ()) -> None:
         self.model = model
+        self.pools = pools
         self.passes_for = passes_for
         self.inductor = inductor
         self.compile_threads = compile_threads
@@ -373,7 +392,7 @@ class CompiledModel:
             record = self.records[family] = CompileRecord()
             backend = EncoreBackend(family, self.passes_for(family), record, self.inductor, self.compile_threads)
             artifact = self.artifacts / f"{family.value.lower()}.aot" if self.artifacts is not None else None
-            step = self._compiled[family] = CompiledFamily(backend, artifact)
+            step = self._compiled[family] = CompiledFamily(backend, artifact, pools=self.pools)
         self.records[family].keys.add(key)
         return step(self._inputs(key, batch), key)
 
@@ -421,14 +440,15 @@ class CompiledDrafter:
     marked dynamic, and so are the rows of the slot mapping and page table, which EAGLE-3's attention
     op takes) and the passes specialized to the DECODE family. Only decode-only steps may call it; a
     pass over prefill rows runs eager. With ``artifact`` (a file in the graph cache) it is precompiled
-    there, or loaded from there, as a family is (module docstring)."""
+    there, or loaded from there, as a family is (module docstring); ``pools``: the KV pools it reaches."""
 
     def __init__(self, forward: Callable, passes: Sequence[GraphPass], inductor: bool = True,
-                 compile_threads: int | None = None, artifact: Path | None = None) -> None:
+                 compile_threads: int | None = None, artifact: Path | None = None,
+                 pools: Sequence[torch.Tensor] = ()) -> None:
         self.forward = forward
         self.record = CompileRecord()
         backend = EncoreBackend(ForwardMode.DECODE, passes, self.record, inductor, compile_threads)
-        self._family = CompiledFamily(backend, artifact if inductor else None, entry=_draft_entry)
+        self._family = CompiledFamily(backend, artifact if inductor else None, entry=_draft_entry, pools=pools)
 
     def __call__(self, batch: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if batch.num_extends:

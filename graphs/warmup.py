@@ -150,8 +150,7 @@ def list_manifest(cache_dir: str | Path | None = None, out: TextIO | None = None
                       f"load, {family['run_s']:.1f}s to run the other keys\n")
         drafter = ident.get("drafter")
         if drafter:
-            pools = sorted(p.parent.name for p in path.parent.glob("precompiled/*/drafter.aot"))
-            state = (f"graph precompiled for {', '.join(pools)}" if pools else
+            state = ("graph precompiled" if (path.parent / "precompiled" / "drafter.aot").exists() else
                      "no precompiled graph (an engine start with CUDA graphs builds one)")
             out.write(f"  drafter {drafter['method']}: {state}\n")
         out.write(f"  {len(keys)} keys, {manifest.get('total_s', 0):.1f}s, graph pool "

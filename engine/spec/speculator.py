@@ -82,7 +82,8 @@ class Speculator:
                 self.compiled_drafter = CompiledDrafter(self.model_drafter.forward,
                                                         graphs.compiled.passes_for(ForwardMode.DECODE),
                                                         compile_threads=graphs.compiled.compile_threads,
-                                                        artifact=runner.graph_cache.drafter_artifact)
+                                                        artifact=runner.graph_cache.drafter_artifact,
+                                                        pools=runner.kv_pools)
             self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft, runner.heads.tokens,
                                             runner.heads.accepted)
             with runner.graph_cache.active():  # the drafter's compile work goes in the graph cache too

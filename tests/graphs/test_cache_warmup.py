@@ -52,7 +52,7 @@ def test_list_prints_each_key(v3_warm_cache):
 def small_cache(v3_dir, tmp_path):
     """A graph cache with a manifest and a (fake) artifact, made without compiling anything."""
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
-    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir), 64)
+    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir))
     cache.inductor_dir.mkdir(parents=True)
     (cache.inductor_dir / "artifact").write_text("x")
     cache.write_manifest([KeyReport(GraphKey(0, 1, 4, 4), 1.5, 0.0, 0)])
@@ -68,7 +68,7 @@ def test_sound_cache_is_used(small_cache):
 
 def test_list_shows_whether_the_drafters_graph_is_precompiled(v3_dir, tmp_path):
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
-    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir), 64, {"method": "mtp", "config": None})
+    cache = GraphCache.for_engine(config, ModelConfig.from_pretrained(v3_dir), {"method": "mtp", "config": None})
     cache.inductor_dir.mkdir(parents=True)
     cache.write_manifest([KeyReport(GraphKey(0, 3, 4, 12), 1.5, 0.0, 0)])
     out = io.StringIO()
@@ -78,7 +78,7 @@ def test_list_shows_whether_the_drafters_graph_is_precompiled(v3_dir, tmp_path):
     cache.drafter_artifact.write_bytes(b"x")
     out = io.StringIO()
     list_manifest(tmp_path, out=out)
-    assert "drafter mtp: graph precompiled for kv_pages-64" in out.getvalue()
+    assert "drafter mtp: graph precompiled\n" in out.getvalue()
 
 
 def test_family_summary_splits_compile_or_load_from_runs(small_cache):
@@ -175,10 +175,10 @@ def test_identity_follows_inductor_settings(v3_dir, tmp_path):
 
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
     model_config = ModelConfig.from_pretrained(v3_dir)
-    before = GraphCache.for_engine(config, model_config, 64).root
+    before = GraphCache.for_engine(config, model_config).root
     with inductor_config.patch({"triton.enable_pdl": not inductor_config.triton.enable_pdl}):
-        assert GraphCache.for_engine(config, model_config, 64).root != before
-    assert GraphCache.for_engine(config, model_config, 64).root == before
+        assert GraphCache.for_engine(config, model_config).root != before
+    assert GraphCache.for_engine(config, model_config).root == before
     child = subprocess.run([sys.executable, "-c", "from encore.graphs.cache import inductor_config_digest; "
                             "print(inductor_config_digest())"], capture_output=True, text=True, check=True)
     assert child.stdout.strip() == inductor_config_digest() == identity(config, model_config)["inductor_config"]
@@ -191,20 +191,8 @@ def test_identity_follows_the_model_drafter(v3_dir, tmp_path):
     model_config = ModelConfig.from_pretrained(v3_dir)
     drafters = (None, {"method": "mtp", "config": None}, {"method": "eagle3", "config": {"hidden_size": 64}},
                 {"method": "eagle3", "config": {"hidden_size": 128}})
-    roots = {GraphCache.for_engine(config, model_config, 64, drafter).root for drafter in drafters}
+    roots = {GraphCache.for_engine(config, model_config, drafter).root for drafter in drafters}
     assert len(roots) == 4
-
-
-def test_precompiled_graphs_are_kept_per_kv_pool(v3_dir, tmp_path):
-    """The latent caches are graph inputs whose shape dynamo guards, and the pool is sized at start-up:
-    another page count has its own precompiled graphs (one pool's guards reject the other), in the same
-    cache, whose Inductor artifacts both share."""
-    config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
-    model_config = ModelConfig.from_pretrained(v3_dir)
-    small, large = (GraphCache.for_engine(config, model_config, pages) for pages in (200, 300))
-    assert small.root == large.root and small.inductor_dir == large.inductor_dir
-    assert small.precompiled_dir != large.precompiled_dir
-    assert small.precompiled_dir == GraphCache.for_engine(config, model_config, 200).precompiled_dir
 
 
 def test_flashinfer_builds_go_beside_the_identities_unless_a_directory_is_set(v3_dir, tmp_path, monkeypatch):
@@ -212,7 +200,7 @@ def test_flashinfer_builds_go_beside_the_identities_unless_a_directory_is_set(v3
     one directory under the cache root; a FLASHINFER_WORKSPACE_BASE the user set is left as it is."""
     config = EngineConfig(model=str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(tmp_path))
     model_config = ModelConfig.from_pretrained(v3_dir)
-    caches = [GraphCache.for_engine(c, model_config, 64) for c in (config, dataclasses.replace(config, page_size=32))]
+    caches = [GraphCache.for_engine(c, model_config) for c in (config, dataclasses.replace(config, page_size=32))]
     assert caches[0].root != caches[1].root
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", "")  # recorded, so the variable is restored (here: removed)
     monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE")

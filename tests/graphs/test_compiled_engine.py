@@ -53,11 +53,17 @@ def test_v2_lite_cold_compile_matches_eager(checkpoint, eager_tokens, tmp_path):
     assert len(manifest["keys"]) == 3  # a cold engine start leaves a manifest like a warm-up does
 
 
-def test_v3_warm_start_loads_the_warmup_precompiled_graphs_and_matches_eager(v3_dir, v3_warm_cache, eager_tokens):
-    """Every family comes back precompiled: nothing is traced, re-traced or compiled."""
+@pytest.mark.parametrize("num_kv_pages", [None, 97])
+def test_v3_warm_start_loads_the_warmup_precompiled_graphs_and_matches_eager(v3_dir, v3_warm_cache, eager_tokens,
+                                                                              num_kv_pages):
+    """Every family comes back precompiled: nothing is traced, re-traced or compiled, whatever the KV
+    pool's size (the warm-up sized its pool from memory, as a start without ``num_kv_pages`` does; 97
+    pages is another pool, and one page more or less is what free memory moves a GPU start's pool by)."""
     cache_dir, manifest, _ = v3_warm_cache
     frames = counters["stats"]["unique_graphs"]
-    engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(cache_dir), **STAGGERED, **SMALL_KEYS)
+    engine = Engine(str(v3_dir), device="cpu", compile=True, graph_cache_dir=str(cache_dir), num_kv_pages=num_kv_pages,
+                    **STAGGERED, **SMALL_KEYS)
+    assert engine.runner.num_pages != 97 if num_kv_pages is None else engine.runner.num_pages == 97
     assert counters["stats"]["unique_graphs"] == frames  # dynamo traced nothing
     stats = engine.stats()
     assert stats["loaded_graphs"] == 3 and stats["compiled_graphs"] == 0, stats

@@ -84,7 +84,9 @@ def test_warmup_then_warm_start_only_captures(v3_dir, tmp_path):
     (key,) = manifest["keys"]
     assert key["capture_s"] > 0 and key["pool_bytes"] > 0
     frames = counters["stats"]["unique_graphs"]
-    engine = Engine(str(v3_dir), device="cuda", dtype="bfloat16", graph_cache_dir=str(tmp_path), **keys)
+    # A pool of another size: what another start's free memory gives (graphs/compiler.py, "What is symbolic").
+    engine = Engine(str(v3_dir), device="cuda", dtype="bfloat16", graph_cache_dir=str(tmp_path),
+                    **{**keys, "num_kv_pages": 509})
     assert counters["stats"]["unique_graphs"] == frames  # the family was loaded precompiled, not traced
     stats = engine.stats()
     assert stats["loaded_graphs"] == 1 and stats["compiled_graphs"] == 0, stats
@@ -96,8 +98,8 @@ def test_warmup_then_warm_start_only_captures(v3_dir, tmp_path):
 
 def test_warmup_builds_the_drafter_and_a_warm_start_loads_it(tmp_path):
     """With an MTP drafter, `graphs warmup` also compiles the drafter's graph into the cache; an engine
-    started on that cache then traces nothing (target families and drafter loaded precompiled) and
-    drafts the tokens an eager engine does."""
+    started on that cache, with a KV pool of another size, then traces nothing (target families and
+    drafter loaded precompiled) and drafts the tokens an eager engine does."""
     from encore.models.tiny import default_model_dir
 
     model = default_model_dir()
@@ -107,7 +109,7 @@ def test_warmup_builds_the_drafter_and_a_warm_start_loads_it(tmp_path):
     warmup(model, device="cuda", cache_dir=tmp_path, out=out, **options)
     assert "drafter graph compiled" in out.getvalue()
     frames = counters["stats"]["unique_graphs"]
-    engine = Engine(str(model), device="cuda", graph_cache_dir=str(tmp_path), **options)
+    engine = Engine(str(model), device="cuda", graph_cache_dir=str(tmp_path), **{**options, "num_kv_pages": 509})
     assert counters["stats"]["unique_graphs"] == frames
     stats = engine.stats()
     assert stats["drafter_loaded"] and stats["drafter_compiles"] == 0, stats
