@@ -178,7 +178,12 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.
     """One seeded draw per row by the exponential race: ``argmax(p / E)``, ``E = -log(u)``.
 
     probs: [N, V] (need not be normalized); returns [N] int64. Zero-probability tokens never win.
+    On CUDA one kernel hashes and races in registers (backends/race_triton.py), the same draw bit for bit.
     """
+    if probs.is_cuda:
+        from encore.backends.race_triton import exponential_race  # triton is imported on first use
+
+        return exponential_race(probs.contiguous(), seeds, counters, salt)
     u = seeded_uniform(seeds, counters, probs.shape[1], salt)  # [N, V]
     return argmax_rows(probs.float() / -torch.log(u))
 

@@ -1,0 +1,93 @@
+"""The sampler's exponential race in one kernel (backends/race_triton.py) against the torch formulation it
+replaces on CUDA: the same token for every row, bit for bit in the draw, over vocabularies that do and
+do not fill whole blocks and chunks, extreme seeds and counters, salts, ties and zero probabilities.
+Without CUDA the kernel runs in Triton's interpreter (``triton_interpreter.py``); ``-m gpu`` runs it
+compiled, at V2-Lite's vocabulary and in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
+
+from encore.backends.argmax import argmax_rows
+from encore.backends.race_triton import exponential_race, split
+from encore.engine.sampler import seeded_uniform
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, salt: int) -> torch.Tensor:
+    """The torch race ``sampler.sample_from_probs`` runs off CUDA."""
+    u = seeded_uniform(seeds, counters, probs.shape[1], salt)
+    return argmax_rows(probs.float() / -torch.log(u))
+
+
+def draw_inputs(rows: int, vocab: int, seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 3, dim=-1).to(DEVICE, dtype)
+    seeds = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen).to(DEVICE)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen).to(DEVICE)
+    return probs, seeds, counters
+
+
+def test_split_covers_the_row_in_whole_blocks():
+    for rows, vocab in [(1, 102400), (64, 102400), (3, 5000), (1000, 7), (1, 129280)]:
+        chunks, width = split(rows, vocab)
+        assert width % 1024 == 0 and (chunks - 1) * width < vocab <= chunks * width, (rows, vocab)
+    assert split(1, 102400) == (100, 1024)
+    assert split(64, 102400) == (8, 13312)
+
+
+@in_process
+@pytest.mark.parametrize("rows, vocab", [(1, 102400), (3, 5000), (64, 3000), (2, 1024), (5, 7)])
+@pytest.mark.parametrize("salt", [0, 7])
+def test_matches_the_torch_race(rows, vocab, salt):
+    probs, seeds, counters = draw_inputs(rows, vocab, seed=rows * 31 + vocab + salt)
+    got = exponential_race(probs, seeds, counters, salt)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, reference(probs, seeds, counters, salt))
+
+
+@in_process
+def test_draws_depend_on_seed_counter_and_salt_only():
+    probs, seeds, counters = draw_inputs(8, 3000, seed=1)
+    base = exponential_race(probs, seeds, counters, 0)
+    assert torch.equal(exponential_race(probs.flip(0), seeds.flip(0), counters.flip(0), 0), base.flip(0))
+    assert torch.equal(exponential_race(probs[2:5], seeds[2:5], counters[2:5], 0), base[2:5])
+    others = [exponential_race(probs, seeds, counters + 1, 0), exponential_race(probs, seeds, counters, 1)]
+    assert all(not torch.equal(other, base) for other in others)
+
+
+@in_process
+def test_zeros_never_win_and_all_zero_rows_pick_the_first_column():
+    vocab = 2500  # the hot columns sit in different chunks and blocks
+    probs = torch.zeros(4, vocab, device=DEVICE)
+    probs[0, 2047] = 1.0
+    probs[1, [5, 2400]] = 0.5
+    probs[2, vocab - 1] = 1e-30
+    seeds, counters = torch.arange(4, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    got = exponential_race(probs, seeds, counters, 0)
+    assert got[0] == 2047 and got[1] in (5, 2400) and got[2] == vocab - 1 and got[3] == 0
+    assert torch.equal(got, reference(probs, seeds, counters, 0))
+
+
+@in_process
+def test_rows_must_be_contiguous():
+    probs, seeds, counters = draw_inputs(4, 64, seed=2)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        exponential_race(probs.t(), seeds[:4], counters[:4], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_torch_race_on_cuda(rows, dtype):
+    probs, seeds, counters = draw_inputs(rows, 102400, seed=rows, dtype=dtype)
+    for salt in (0, 3):
+        assert torch.equal(exponential_race(probs, seeds, counters, salt), reference(probs, seeds, counters, salt))
+
+
+test_cpu_tests_in_child_process = rerun_in_child(__file__)
