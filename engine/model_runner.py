@@ -244,7 +244,7 @@ class ModelRunner:
         exponential race (one variant). Each step runs on the dummy page (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
-        from encore.backends import gemv_triton, race_triton
+        from encore.backends import gemv_triton, sampling_triton
         from encore.backends.dense import GEMV_MAX_WEIGHT
         from encore.backends.moe_triton import config_token_counts
 
@@ -271,7 +271,7 @@ class ModelRunner:
         modules = [self.model] + ([self.eagle3] if self.eagle3 is not None else [])
         gemv_triton.warm_up({p.shape[1] for m in modules for p in m.parameters()
                              if p.dim() == 2 and p.numel() <= GEMV_MAX_WEIGHT}, self.dtype, self.device)
-        race_triton.warm_up(self.model.cfg.vocab_size, self.device)
+        sampling_triton.warm_up(self.model.cfg.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)

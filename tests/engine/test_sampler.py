@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -202,6 +203,22 @@ def test_filters_match_reference_on_random_rows():
     for i, p in enumerate(cases):
         np.testing.assert_allclose(got[i].double().numpy(), _ref_filtered(logits[i].double().numpy(), p),
                                    atol=1e-6, err_msg=str(p))
+
+
+def test_filters_that_no_row_uses_are_skipped_with_the_same_result():
+    """Without top-k / top-p (or min-p) in any stochastic row, their ops are skipped: the probabilities
+    are those of the full path bit for bit, -inf logits (a grammar's mask) included."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    logits[1, ::7] = float("-inf")
+    plain = [SamplingParams(temperature=0.7), SamplingParams(), SamplingParams(temperature=1.3),
+             SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)]  # greedy: its filters never count
+    t = _build(plain)
+    assert not t.truncates and not t.uses_min_p
+    full = dataclasses.replace(t, truncates=True, uses_min_p=True)
+    assert torch.equal(processed_probs(logits, t), processed_probs(logits, full))
+    assert _build([SamplingParams(top_k=5)]).truncates and _build([SamplingParams(top_p=0.9)]).truncates
+    assert _build([SamplingParams(min_p=0.1)]).uses_min_p and not _build([SamplingParams(min_p=0.1)]).truncates
 
 
 def test_top_k_keeps_ties_and_off_values():

@@ -1,6 +1,7 @@
-"""The seeded exponential race in one kernel: the CUDA path of ``sampler.sample_from_probs``.
+"""The sampler's CUDA kernels: the seeded exponential race of ``sampler.sample_from_probs``, and the
+softmax of few wide rows.
 
-A sampled row's token is ``argmax(p / E)`` with ``E = -log(u)`` and ``u`` the counter-based hash
+*The race.* A sampled row's token is ``argmax(p / E)`` with ``E = -log(u)`` and ``u`` the counter-based hash
 ``sampler.seeded_uniform`` of (seed, counter, column, salt). In torch that hash is ~85 elementwise
 int64 ops over [N, V] (the 32-bit multiplies split so no int64 product overflows), each a launch: at
 bs 1 on DeepSeek-V2-Lite's 102400-wide vocabulary ~260 launches and ~240 µs of GPU time a sampled
@@ -11,6 +12,13 @@ score divides by ``-log(u)`` rounded as torch rounds (libdevice ``logf``, a corr
 and each program writes its chunk's maximum and the chunk's first column holding it; the argmax over
 the chunks picks the first chunk holding the row's maximum. Ties resolve to the lowest column, as
 ``torch.argmax`` does.
+
+*The softmax.* torch's softmax gives a row one thread block: 35 µs for one 102400-wide row on an H200,
+twice in a step that samples with top-p. Here a row is cut into chunks as the race cuts it: one
+launch takes each chunk's maximum and its sum of exponentials (online), a second combines the
+row's partials in every program and writes its chunk normalized. The sums run in another order than
+torch's, and ``tl.exp`` is not libdevice's: probabilities may differ from torch's in their last bits
+(a draw changes only where two scores of a row tie to within that).
 """
 
 from __future__ import annotations
@@ -88,16 +96,67 @@ def _race_kernel(PROBS, stride, SEEDS, COUNTERS, BEST, WHERE, vocab, width, chun
     tl.store(WHERE + row * chunks + chunk, where.to(tl.int64))
 
 
-def warm_up(vocab: int, device: torch.device) -> None:
-    """Compiles the kernel's one variant (nothing it is passed is specialized on: any rows, vocabulary,
-    alignment or salt run it), so that a first sampled step does not."""
-    rows = torch.zeros(1, dtype=torch.int64, device=device)
-    exponential_race(torch.ones(1, vocab, device=device), rows, rows, 0)
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["X", "stride", "vocab", "width"])
+def _softmax_stats_kernel(X, stride, MAX, SUM, vocab, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    start = chunk * width
+    end = tl.minimum(start + width, vocab)
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    for offset in range(start, end, BLOCK):
+        cols = offset + tl.arange(0, BLOCK)
+        x = tl.load(X + row.to(tl.int64) * stride + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # an all -inf block adds 0, not NaN
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = new_m
+    tl.store(MAX + row * chunks + chunk, m)
+    tl.store(SUM + row * chunks + chunk, total)
+
+
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["X", "stride", "OUT", "vocab", "width", "chunks"])
+def _softmax_write_kernel(X, stride, MAX, SUM, OUT, vocab, width, chunks, BLOCK: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    parts = tl.arange(0, BLOCK_C)
+    m_parts = tl.load(MAX + row * chunks + parts, mask=parts < chunks, other=float("-inf"))
+    m = tl.max(m_parts, axis=0)  # -inf for a row of -inf only: its outputs are NaN, as torch's
+    total = tl.sum(tl.load(SUM + row * chunks + parts, mask=parts < chunks, other=0.0)
+                   * tl.exp(m_parts - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    start = chunk * width
+    end = tl.minimum(start + width, vocab)
+    for offset in range(start, end, BLOCK):
+        cols = offset + tl.arange(0, BLOCK)
+        valid = cols < end
+        x = tl.load(X + row.to(tl.int64) * stride + cols, mask=valid, other=0.0).to(tl.float32)
+        tl.store(OUT + row.to(tl.int64) * vocab + cols, tl.exp(x - m) / total, mask=valid)
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] (rows of contiguous columns) -> softmax over each row, [N, V] float32."""
+    rows, vocab = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"softmax_rows reads rows of contiguous columns; x has strides {x.stride()}")
+    chunks, width = split(rows, vocab)
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
+    if rows:
+        # Two allocations, not views of one: a view's offset would change the pointer's alignment,
+        # which Triton specializes on (a variant compiled while serving).
+        maxima, sums = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device) for _ in range(2))
+        _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, vocab, width, BLOCK=BLOCK)
+        _softmax_write_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, out, vocab, width, chunks,
+                                              BLOCK=BLOCK, BLOCK_C=_PROGRAMS)  # chunks <= _PROGRAMS
+    return out
 
 
 def split(rows: int, vocab: int) -> tuple[int, int]:
-    """(chunks a row is cut into, columns a chunk): about _PROGRAMS programs, each a whole number of
-    BLOCKs."""
+    """(chunks a row is cut into, at most _PROGRAMS; columns a chunk): about _PROGRAMS programs, each a
+    whole number of BLOCKs."""
     chunks = max(1, min(triton.cdiv(vocab, BLOCK), _PROGRAMS // max(rows, 1)))
     width = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK) * BLOCK
     return triton.cdiv(vocab, width), width
@@ -119,3 +178,10 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.T
     if chunks == 1:
         return where[:, 0]
     return where.gather(1, best.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def warm_up(vocab: int, device: torch.device) -> None:
+    """Compiles each kernel's one variant (nothing they are passed is specialized on: any rows,
+    vocabulary, alignment or salt run them), so that a first sampled step compiles none."""
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    exponential_race(softmax_rows(torch.zeros(1, vocab, device=device)), ids, ids, 0)

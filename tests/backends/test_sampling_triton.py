@@ -1,8 +1,9 @@
-"""The sampler's exponential race in one kernel (backends/race_triton.py) against the torch formulation it
-replaces on CUDA: the same token for every row, bit for bit in the draw, over vocabularies that do and
-do not fill whole blocks and chunks, extreme seeds and counters, salts, ties and zero probabilities.
-Without CUDA the kernel runs in Triton's interpreter (``triton_interpreter.py``); ``-m gpu`` runs it
-compiled, at V2-Lite's vocabulary and in bfloat16."""
+"""The sampler's kernels (backends/sampling_triton.py) against the torch formulations they replace on CUDA.
+The exponential race: the same token for every row, bit for bit in the draw, over vocabularies that do
+and do not fill whole blocks and chunks, extreme seeds and counters, salts, ties and zero
+probabilities. The softmax of few wide rows: torch's softmax within float32 rounding, -inf entries and
+all -inf rows included. Without CUDA the kernels run in Triton's interpreter (``triton_interpreter.py``);
+``-m gpu`` runs them compiled, at V2-Lite's vocabulary and in bfloat16."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
 from encore.backends.argmax import argmax_rows
-from encore.backends.race_triton import exponential_race, split
+from encore.backends.sampling_triton import exponential_race, softmax_rows, split
 from encore.engine.sampler import seeded_uniform
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,14 +81,39 @@ def test_rows_must_be_contiguous():
         exponential_race(probs.t(), seeds[:4], counters[:4], 0)
 
 
+@in_process
+@pytest.mark.parametrize("rows, vocab", [(1, 102400), (3, 5000), (64, 3000), (2, 1024), (5, 7)])
+def test_softmax_matches_torch(rows, vocab):
+    gen = torch.Generator().manual_seed(rows + vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 4).to(DEVICE)
+    x[0, ::3] = float("-inf")  # masked tokens, as top-k / top-p leave them
+    got = softmax_rows(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, torch.softmax(x, dim=-1), rtol=1e-5, atol=1e-7)
+    assert (got[0, ::3] == 0).all()
+
+
+@in_process
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # numpy's -inf - -inf
+def test_softmax_of_a_row_of_minus_inf_is_nan_as_torch():
+    x = torch.zeros(3, 2100, device=DEVICE)
+    x[1] = float("-inf")
+    x[2, :1500] = float("-inf")  # whole chunks of -inf before the row's values
+    got = softmax_rows(x)
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
+    torch.testing.assert_close(got[[0, 2]], torch.softmax(x[[0, 2]], dim=-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 8, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_torch_race_on_cuda(rows, dtype):
+def test_kernels_match_torch_on_cuda(rows, dtype):
     probs, seeds, counters = draw_inputs(rows, 102400, seed=rows, dtype=dtype)
     for salt in (0, 3):
         assert torch.equal(exponential_race(probs, seeds, counters, salt), reference(probs, seeds, counters, salt))
+    x = probs.float().log()
+    torch.testing.assert_close(softmax_rows(x), torch.softmax(x, dim=-1), rtol=1e-5, atol=1e-8)
 
 
 test_cpu_tests_in_child_process = rerun_in_child(__file__)
