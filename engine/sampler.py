@@ -286,15 +286,16 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """Ragged token lists -> [N, L] int64 padded with -1, one host-to-device copy. Each row is packed
-    into the padded buffer as an ``array`` (backends/host_tensors.py says why): a step with a
-    repetition penalty sends every row's prompt and output, and ``SamplingTensors.build`` for 64 rows
-    of 1k-token prompts and 200 outputs took 6.6 ms through ``torch.tensor`` of the padded lists on
-    this repo's CPU, 2.0 ms so."""
+    """Ragged token lists -> [N, L] int64 padded with -1, one host-to-device copy that does not wait
+    for the device (``torch.tensor(..., device=cuda)`` did: the host stalled on the step's forward
+    every step a penalty was on). Each row is packed into the padded buffer as an ``array``
+    (backends/host_tensors.py says why): a step with a repetition penalty sends every row's prompt and
+    output, and ``SamplingTensors.build`` for 64 rows of 1k-token prompts and 200 outputs took 6.6 ms
+    through ``torch.tensor`` of the padded lists on this repo's CPU, 2.0 ms so."""
     width = max((len(row) for row in rows), default=0)
     padded = array.array("q", [-1]) * (len(rows) * width)
     for i, row in enumerate(rows):
         padded[i * width:i * width + len(row)] = array.array("q", row)
     if not padded:
         return torch.empty(len(rows), width, dtype=torch.int64, device=device)
-    return torch.frombuffer(padded, dtype=torch.int64).view(len(rows), width).to(device)
+    return torch.frombuffer(padded, dtype=torch.int64).view(len(rows), width).to(device, non_blocking=True)

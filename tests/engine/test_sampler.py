@@ -473,7 +473,8 @@ def test_sampler_does_not_sync_on_cuda():
     sampler(logits, t)  # warm up kernels and allocator outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
+    try:  # building the tensors too: the step builds them while the device runs its forward
+        t = _build(params, prompts=[[1, 2, 3]] * n, outputs=[[4, 4]] * n, counters=list(range(n)), device=cuda)
         out = sampler(logits, t)
         probs = processed_probs(logits, t)
     finally:
