@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from encore.backends.host_tensors import upload
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import DUMMY_PAGE
@@ -121,7 +122,7 @@ class Speculator:
         counted = [0 if r.params.speculative is False else k for r in step.decodes]
         # How many drafts each row may accept, uploaded (before the forward: a copy from pageable
         # memory waits for the stream) only when a row opted out.
-        caps = torch.tensor(counted, dtype=torch.long, device=device) if 0 in counted else None
+        caps = _longs(counted, device) if 0 in counted else None
         params = [r.params for r in sampled]
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
         t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
@@ -237,23 +238,23 @@ class Speculator:
         self.drafter_eager_steps += 1
         te = len(shifted)
         ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
-        ids[:te] = torch.tensor(shifted, dtype=torch.long, device=device)
+        ids[:te] = _longs(shifted, device)
         if fill_at:
-            ids[torch.tensor(fill_at, device=device)] = plain_tokens
+            ids[_longs(fill_at, device)] = plain_tokens
         ids[te:] = spec.tokens.flatten()  # padded speculation: all 1 + k positions of each verify row
         if not drafting:  # only partial prefill chunks: the pass fills the drafter's KV, nothing to draft yet
             self._drafter_pass(self.model_drafter.forward, batch, ids, self.model_drafter.first_input(hidden))
             return drafting, torch.zeros(0, k, dtype=torch.long, device=device)
         rows = len(step.decodes)
-        src = torch.cat([torch.tensor(fill_at, dtype=torch.long, device=device),
+        src = torch.cat([_longs(fill_at, device),
                          te + torch.arange(rows, device=device) * q_len + spec.num_accepted])  # [D]
-        src_row = torch.cat([torch.tensor(src_rows, dtype=torch.long, device=device),
+        src_row = torch.cat([_longs(src_rows, device),
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
         if greedy:
             return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table,
                                          self._greedy_pick, self.model_drafter.forward, steps)
-        prompt_lens = torch.tensor([len(r.prompt_token_ids) for r in drafting], dtype=torch.long, device=device)
+        prompt_lens = _longs([len(r.prompt_token_ids) for r in drafting], device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
         qs = []
@@ -329,8 +330,8 @@ class Speculator:
         n = req.params.logprobs
         if n is None or logprobs is None:
             return None
-        index = torch.tensor(list(rows), device=logprobs.device)
-        chosen = logprobs[index].gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1)
+        index = _longs(list(rows), logprobs.device)
+        chosen = logprobs[index].gather(1, _longs(tokens, logprobs.device)[:, None]).squeeze(1)
         top_vals, top_ids = logprobs[index].topk(max(n, 1), dim=-1)
         return [TokenLogprob(tok, lp, list(zip(ids[:n], vals[:n])))
                 for tok, lp, ids, vals in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist())]
@@ -384,3 +385,10 @@ def _past_offset_one(n: int, rows: int, like: torch.Tensor) -> torch.Tensor:
     buffers; dynamo specializes a storage offset of 0 or 1, so a draft step whose row sat at 0 (or, with
     one row, at 1) would compile the drafter a second time."""
     return like.new_empty(2 + n * rows)[2:].view(n, rows)
+
+
+def _longs(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without waiting for the device:
+    ``torch.tensor(values, device=cuda)`` waits, and the host would stall on the step's forward
+    before it launched the drafts (backends/host_tensors.py)."""
+    return upload([(values, torch.long)], device)[0]
