@@ -89,6 +89,37 @@ def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     assert alone == crowd and len(alone) == 16
 
 
+def test_plain_steps_of_every_request_kind_never_wait_for_the_device(tmp_path):
+    """With overlap on, a step reads the step before it back through an event; nothing else may make
+    the host wait for the device, or the next step launches late. The penalties' token lists did (a
+    copy through ``torch.tensor(..., device=cuda)``, session 39). encore-tiny, CUDA graphs, each kind's
+    requests once to warm up, then again under torch's sync debug mode."""
+    engine = Engine(device="cuda", dtype="bfloat16", max_num_seqs=8, graph_cache_dir=str(tmp_path))
+    kinds = {
+        "greedy": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        "top-p": SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+        "penalties": SamplingParams(max_tokens=24, temperature=0.8, repetition_penalty=1.1, presence_penalty=0.2,
+                                    frequency_penalty=0.1, seed=1, ignore_eos=True),
+        "logprobs": SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True),
+        "stop": SamplingParams(max_tokens=24, temperature=0.0, stop=("zzzz",), ignore_eos=True),
+        "min_tokens": SamplingParams(max_tokens=24, temperature=0.0, min_tokens=8),
+        "json": SamplingParams(max_tokens=24, temperature=0.0, json_object=True),
+    }
+    prompt = "def fibonacci(n):\n    " * 8
+    for name, params in kinds.items():
+        for checked in (False, True):
+            for i in range(4):
+                engine.add_request(f"{name}-{checked}-{i}", prompt, params)
+            if checked:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                while engine.has_unfinished_requests():
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    assert engine.stats()["graph_replays"] > 0
+
+
 SPEC_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
 SPEC_GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SPEC_KEYS = dict(graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(4,), graph_prefill_tokens=(64,),
