@@ -30,8 +30,11 @@ def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 def put(host: memoryview, offset: int, values: Sequence, dtype: torch.dtype) -> None:
-    """Writes ``values`` packed as ``dtype`` into the bytes ``host`` at byte ``offset``."""
-    packed = array.array(_TYPECODES[dtype], values)
+    """Writes ``values`` packed as ``dtype`` into the bytes ``host`` at byte ``offset``; an ``array``
+    already of ``dtype``'s typecode is copied as it is (``array.array(code, other)`` goes element by
+    element)."""
+    code = _TYPECODES[dtype]
+    packed = values if isinstance(values, array.array) and values.typecode == code else array.array(code, values)
     host[offset:offset + len(packed) * packed.itemsize] = memoryview(packed).cast("B")
 
 
@@ -45,7 +48,9 @@ def view_at(typed: torch.Tensor, offset: int, count: int) -> torch.Tensor:
 def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
     """1-D tensors on ``device`` of each (values, dtype) in ``parts``, in one host-to-device copy: the
     parts are packed back to back (each at an 8-byte-aligned offset) into one host buffer, and the
-    device copy of it is cut into views of the parts' dtypes."""
+    device copy of it is cut into views of the parts' dtypes. The copy does not wait for the device
+    (``torch.tensor(values, device=cuda)`` does: a step that sent its lists that way stalled the host
+    on its own forward, session 39)."""
     offsets, total = [], 0
     for values, dtype in parts:
         offsets.append(total)

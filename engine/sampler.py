@@ -89,12 +89,16 @@ class SamplingTensors:
         needs_output = needs_token_history(params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         # One host-to-device copy, split into per-field views on the device.
-        floats, longs = upload([([p.temperature for p in params] + [p.top_p for p in params]
-                                 + [p.min_p for p in params] + [p.repetition_penalty for p in params]
-                                 + [p.presence_penalty for p in params] + [p.frequency_penalty for p in params],
-                                 torch.float32),
-                                ([*seeds, *counters, *(p.top_k for p in params)], torch.int64)], device)
+        history = {name: _padded(rows) for name, rows, needed in (("prompt", prompt_ids, needs_prompt),
+                                                                  ("output", output_ids, needs_output)) if needed}
+        floats, longs, *flat = upload([([p.temperature for p in params] + [p.top_p for p in params]
+                                        + [p.min_p for p in params] + [p.repetition_penalty for p in params]
+                                        + [p.presence_penalty for p in params]
+                                        + [p.frequency_penalty for p in params], torch.float32),
+                                       ([*seeds, *counters, *(p.top_k for p in params)], torch.int64),
+                                       *((padded, torch.int64) for padded, _ in history.values())], device)
         floats, longs = floats.view(6, n), longs.view(3, n)
+        tokens = {name: f.view(n, width) for (name, (_, width)), f in zip(history.items(), flat)}
         return cls(
             temperature=floats[0],
             top_p=floats[1],
@@ -105,8 +109,8 @@ class SamplingTensors:
             frequency_penalty=floats[5],
             seeds=longs[0],
             counters=longs[1],
-            prompt_tokens=_padded(prompt_ids, device) if needs_prompt else None,
-            output_tokens=_padded(output_ids, device) if needs_output else None,
+            prompt_tokens=tokens.get("prompt"),
+            output_tokens=tokens.get("output"),
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
             truncates=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
@@ -285,17 +289,14 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (low + high) & _MASK32
 
 
-def _padded(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """Ragged token lists -> [N, L] int64 padded with -1, one host-to-device copy that does not wait
-    for the device (``torch.tensor(..., device=cuda)`` did: the host stalled on the step's forward
-    every step a penalty was on). Each row is packed into the padded buffer as an ``array``
-    (backends/host_tensors.py says why): a step with a repetition penalty sends every row's prompt and
-    output, and ``SamplingTensors.build`` for 64 rows of 1k-token prompts and 200 outputs took 6.6 ms
-    through ``torch.tensor`` of the padded lists on this repo's CPU, 2.0 ms so."""
+def _padded(rows: Sequence[Sequence[int]]) -> tuple[array.array, int]:
+    """Ragged token lists -> their [N, L] int64 host array, row-major and padded with -1, and L. Each
+    row is packed into it as an ``array`` (backends/host_tensors.py says why): a step with a repetition
+    penalty sends every row's prompt and output, and ``SamplingTensors.build`` for 64 rows of 1k-token
+    prompts and 200 outputs took 6.6 ms through ``torch.tensor`` of the padded lists on this repo's
+    CPU, 2.0 ms so."""
     width = max((len(row) for row in rows), default=0)
     padded = array.array("q", [-1]) * (len(rows) * width)
     for i, row in enumerate(rows):
         padded[i * width:i * width + len(row)] = array.array("q", row)
-    if not padded:
-        return torch.empty(len(rows), width, dtype=torch.int64, device=device)
-    return torch.frombuffer(padded, dtype=torch.int64).view(len(rows), width).to(device, non_blocking=True)
+    return padded, width

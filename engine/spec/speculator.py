@@ -120,9 +120,8 @@ class Speculator:
         # Each verify row was fed its last token and its k drafts: the drafts are already on the device.
         drafts = batch.input_ids[batch.num_extend_tokens:].view(rows, q_len)[:, 1:]  # [B, k]
         counted = [0 if r.params.speculative is False else k for r in step.decodes]
-        # How many drafts each row may accept, uploaded (before the forward: a copy from pageable
-        # memory waits for the stream) only when a row opted out.
-        caps = _longs(counted, device) if 0 in counted else None
+        # How many drafts each row may accept, uploaded only when a row opted out.
+        caps = upload([(counted, torch.long)], device)[0] if 0 in counted else None
         params = [r.params for r in sampled]
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
         t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
@@ -237,24 +236,26 @@ class Speculator:
                 return drafting, drafts
         self.drafter_eager_steps += 1
         te = len(shifted)
+        shifted_d, fill_at_d, src_rows_d, prompt_lens = upload(
+            [(shifted, torch.long), (fill_at, torch.long), (src_rows, torch.long),
+             ([len(r.prompt_token_ids) for r in drafting], torch.long)], device)
         ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
-        ids[:te] = _longs(shifted, device)
+        ids[:te] = shifted_d
         if fill_at:
-            ids[_longs(fill_at, device)] = plain_tokens
+            ids[fill_at_d] = plain_tokens
         ids[te:] = spec.tokens.flatten()  # padded speculation: all 1 + k positions of each verify row
         if not drafting:  # only partial prefill chunks: the pass fills the drafter's KV, nothing to draft yet
             self._drafter_pass(self.model_drafter.forward, batch, ids, self.model_drafter.first_input(hidden))
             return drafting, torch.zeros(0, k, dtype=torch.long, device=device)
         rows = len(step.decodes)
-        src = torch.cat([_longs(fill_at, device),
+        src = torch.cat([fill_at_d,
                          te + torch.arange(rows, device=device) * q_len + spec.num_accepted])  # [D]
-        src_row = torch.cat([_longs(src_rows, device),
+        src_row = torch.cat([src_rows_d,
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
         if greedy:
             return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table,
                                          self._greedy_pick, self.model_drafter.forward, steps)
-        prompt_lens = _longs([len(r.prompt_token_ids) for r in drafting], device)
         base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
                                      [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
         qs = []
@@ -330,8 +331,8 @@ class Speculator:
         n = req.params.logprobs
         if n is None or logprobs is None:
             return None
-        index = _longs(list(rows), logprobs.device)
-        chosen = logprobs[index].gather(1, _longs(tokens, logprobs.device)[:, None]).squeeze(1)
+        index, chosen_ids = upload([(list(rows), torch.long), (tokens, torch.long)], logprobs.device)
+        chosen = logprobs[index].gather(1, chosen_ids[:, None]).squeeze(1)
         top_vals, top_ids = logprobs[index].topk(max(n, 1), dim=-1)
         return [TokenLogprob(tok, lp, list(zip(ids[:n], vals[:n])))
                 for tok, lp, ids, vals in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist())]
@@ -385,10 +386,3 @@ def _past_offset_one(n: int, rows: int, like: torch.Tensor) -> torch.Tensor:
     buffers; dynamo specializes a storage offset of 0 or 1, so a draft step whose row sat at 0 (or, with
     one row, at 1) would compile the drafter a second time."""
     return like.new_empty(2 + n * rows)[2:].view(n, rows)
-
-
-def _longs(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, copied without waiting for the device:
-    ``torch.tensor(values, device=cuda)`` waits, and the host would stall on the step's forward
-    before it launched the drafts (backends/host_tensors.py)."""
-    return upload([(values, torch.long)], device)[0]
