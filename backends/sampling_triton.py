@@ -163,11 +163,12 @@ def split(rows: int, vocab: int) -> tuple[int, int]:
 
 
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, salt: int) -> torch.Tensor:
-    """probs [N, V] (any float dtype, rows contiguous), seeds and counters [N] int64 -> [N] int64, equal to
-    ``argmax(probs.float() / -log(seeded_uniform(seeds, counters, V, salt)))``."""
+    """probs [N, V] (any float dtype, rows contiguous), seeds and counters [N] int64 (any stride) -> [N]
+    int64, equal to ``argmax(probs.float() / -log(seeded_uniform(seeds, counters, V, salt)))``."""
     rows, vocab = probs.shape
     if probs.stride(1) != 1:
         raise ValueError(f"exponential_race reads rows of contiguous columns; probs has strides {probs.stride()}")
+    seeds, counters = seeds.contiguous(), counters.contiguous()  # the kernel reads row r at offset r
     chunks, width = split(rows, vocab)
     best = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
     where = torch.empty(rows, chunks, dtype=torch.int64, device=probs.device)

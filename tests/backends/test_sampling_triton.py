@@ -51,6 +51,16 @@ def test_matches_the_torch_race(rows, vocab, salt):
     assert torch.equal(got, reference(probs, seeds, counters, salt))
 
 
+
+@in_process
+def test_strided_seeds_and_counters_are_read_row_by_row():
+    """A verify step passes each row's seed and counter as every (1 + k)-th entry of its per-position
+    lists (``t.seeds[::q_len]``): views whose rows are not adjacent."""
+    probs, seeds, counters = draw_inputs(4, 3000, seed=5)
+    spread = [torch.zeros(12, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    spread[0][::3], spread[1][::3] = seeds, counters
+    assert torch.equal(exponential_race(probs, spread[0][::3], spread[1][::3], 0), reference(probs, seeds, counters, 0))
+
 @in_process
 def test_draws_depend_on_seed_counter_and_salt_only():
     probs, seeds, counters = draw_inputs(8, 3000, seed=1)
