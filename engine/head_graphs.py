@@ -13,6 +13,16 @@ Eager, this is the LM head, a gather, a cast, the argmax and (verify) four or fi
 a launch and host work between the target's replay and the read-back (~60-200 µs a step on
 encore-tiny, H100). Results land in two static buffers, ``tokens`` [T] and ``accepted`` [bs]; a
 model drafter's draft graphs read their verdict from the same buffers (engine/spec/draft_graphs.py).
+
+A verify key has a second, stochastic head for steps whose rows sample (``plain_rows``, and none
+opted out of speculation): the processed target distribution of every token (temperature, top-k,
+top-p and min-p, each row's from a static buffer that ``run_sampled`` writes) and speculative sampling
+against the drafts (acceptance.verify). A row's draft distributions come from the static
+``draft_probs`` where its flag in ``stochastic`` is set (a model drafter drew its drafts), else they
+are one-hot at its drafts (a deterministic proposal). Eager, that is ~150 launches of host work a
+step (encore-tiny, MTP k = 2: most of a 5 ms step, against 0.6 ms greedy). It applies every row
+filter to every row (one a row does not use leaves its distribution as it was, bit for bit), so a
+temperature-only step pays a sort of the vocabulary.
 """
 
 from __future__ import annotations
@@ -25,7 +35,9 @@ import torch
 
 from encore.backends.metadata import ForwardMode
 from encore.engine.request import Request
-from encore.engine.spec.acceptance import verify_greedy
+from encore.engine.sampler import SamplingTensors, processed_probs, write_penalty_free_rows
+from encore.engine.sampling_params import SamplingParams
+from encore.engine.spec.acceptance import verify, verify_greedy
 from encore.graphs.keys import GraphKey
 from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm_up_on_side_stream
 
@@ -36,22 +48,44 @@ def plain_greedy(rows: Sequence[Request]) -> bool:
     """Whether every logits row is its target's argmax and nothing else is read from the logits: all
     greedy, no penalties, no logprobs, no grammar, none short of its ``min_tokens`` (whose stop
     tokens are masked)."""
-    return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None and r.grammar is None
+    return all(r.params.greedy for r in rows) and plain_rows(rows)
+
+
+def plain_rows(rows: Sequence[Request]) -> bool:
+    """Whether every logits row's token comes from its processed distribution alone and nothing else is
+    read from the logits: no penalties, logprobs or grammar, none short of its ``min_tokens``."""
+    return all(not r.params.uses_penalties and r.params.logprobs is None and r.grammar is None
                and not r.num_banned_positions for r in rows)
 
 
 class HeadGraphs:
-    def __init__(self, graphs: GraphRunner, greedy_tokens: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """``greedy_tokens``: hidden states [T, *] -> the argmax of their logits [T]."""
+    def __init__(self, graphs: GraphRunner, greedy_tokens: Callable[[torch.Tensor], torch.Tensor],
+                 logits: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, draft_distributions: bool) -> None:
+        """``greedy_tokens``: hidden states [T, *] -> the argmax of their logits [T]; ``logits``: hidden
+        states [T, *] -> float32 logits [T, V]; ``draft_distributions``: whether drafts may come with
+        distributions (a model drafter's), else every proposal is deterministic."""
         self.graphs = graphs
         self.greedy_tokens = greedy_tokens
+        self.logits = logits
         self.keys = tuple(key for key in graphs.keys
                           if key.mode is ForwardMode.DECODE and graphs.output(key) is not None)
         device = graphs.buffers.device
         self.tokens = torch.zeros(max((key.num_tokens for key in self.keys), default=0), dtype=torch.int64,
                                   device=device)
         self.accepted = torch.zeros(max((key.bs for key in self.keys), default=0), dtype=torch.int64, device=device)
+        # The stochastic heads' inputs: a key of T tokens reads the first 6 * T floats and 3 * T longs (laid
+        # out by SamplingTensors.penalty_free_rows), and per row its draft distributions and their flag.
+        verify_keys = [key for key in self.keys if key.q_len_per_req > 1]
+        tokens = max((key.num_tokens for key in verify_keys), default=0)
+        rows = max((key.bs for key in verify_keys), default=0)
+        k = max((key.q_len_per_req - 1 for key in verify_keys), default=0)
+        self.sampling_floats = torch.zeros(6 * tokens, dtype=torch.float32, device=device)
+        self.sampling_longs = torch.zeros(3 * tokens, dtype=torch.int64, device=device)
+        self.draft_probs = torch.zeros(rows if draft_distributions else 0, k, vocab_size, dtype=torch.float32,
+                                       device=device)
+        self.stochastic = torch.zeros(rows, dtype=torch.bool, device=device)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._sampled: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
     def _head(self, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -64,25 +98,68 @@ class HeadGraphs:
         self.accepted[:bs].copy_(verdict.num_accepted)
         return tokens.copy_(verdict.tokens.flatten())
 
+    def _sampled_head(self, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        T, bs, q = key.num_tokens, key.bs, key.q_len_per_req
+        t = SamplingTensors.in_buffers(self.sampling_floats[:6 * T].view(6, T),
+                                       self.sampling_longs[:3 * T].view(3, T))
+        probs = processed_probs(self.logits(hidden), t).view(bs, q, -1)  # [bs, q, V]
+        drafts = input_ids.view(bs, q)[:, 1:]  # [bs, k]
+        draft_probs = torch.zeros_like(probs[:, 1:]).scatter_(2, drafts[..., None], 1.0)  # [bs, k, V] one-hot
+        if self.draft_probs.shape[0]:
+            draft_probs = torch.where(self.stochastic[:bs, None, None], self.draft_probs[:bs], draft_probs)
+        verdict = verify(probs, drafts, draft_probs, t.seeds[::q], t.counters[::q])
+        self.accepted[:bs].copy_(verdict.num_accepted)
+        return self.tokens[:T].copy_(verdict.tokens.flatten())
+
     @torch.inference_mode()
     def capture(self) -> None:
         start, before = time.perf_counter(), reserved_after_sync()
         for key in self.keys:
             static = self.graphs.buffers.fill(key, None)
+            heads = [(self._head, self._graphs)]
+            if key.q_len_per_req > 1:
+                heads.append((self._sampled_head, self._sampled))
+                # Greedy rows, so that warm-up and capture read valid parameters.
+                write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.num_tokens)
+            for head, graphs in heads:
+                def fn(head=head, key=key, ids=static.input_ids, hidden=self.graphs.output(key)) -> torch.Tensor:
+                    return head(key, ids, hidden)
 
-            def fn(key=key, ids=static.input_ids, hidden=self.graphs.output(key)) -> torch.Tensor:
-                return self._head(key, ids, hidden)
-
-            warm_up_on_side_stream(fn)
-            self._graphs[key] = capture(fn, self.graphs.pool)[0]
-        log.info("greedy head graphs: %d DECODE keys captured in %.2fs, pool +%.1f MiB", len(self._graphs),
-                 time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2**20)
+                warm_up_on_side_stream(fn)
+                graphs[key] = capture(fn, self.graphs.pool)[0]
+        log.info("head graphs: %d DECODE keys (%d with a stochastic verify head) captured in %.2fs, "
+                 "pool +%.1f MiB", len(self._graphs), len(self._sampled), time.perf_counter() - start,
+                 (torch.cuda.memory_reserved() - before) / 2**20)
 
     def run(self, key: GraphKey | None) -> bool:
         """Replays ``key``'s head (right after its target graph replayed); False if it has none."""
         graph = self._graphs.get(key)
         if graph is None:
             return False
+        graph.replay()
+        self.replays += 1
+        return True
+
+    def run_sampled(self, key: GraphKey | None, rows: list[tuple[SamplingParams, int, int]],
+                    draft_probs: list[torch.Tensor | None]) -> bool:
+        """Replays ``key``'s stochastic verify head (right after its target graph replayed); False if it
+        has none. ``rows``: (params, seed, counter) of each logits row, a verify row's 1 + k in order;
+        ``draft_probs``: each verify row's draft distributions [k, V], or None where it drafted
+        deterministically."""
+        graph = self._sampled.get(key)
+        if graph is None:
+            return False
+        write_penalty_free_rows(self.sampling_floats, self.sampling_longs, rows, key.num_tokens)
+        flags = [q is not None for q in draft_probs]
+        stochastic = [q for q in draft_probs if q is not None]
+        if stochastic:
+            if all(flags):
+                torch.stack(stochastic, out=self.draft_probs[:len(flags)])
+            else:
+                at = torch.tensor([i for i, flag in enumerate(flags) if flag], dtype=torch.int64)
+                self.draft_probs.index_copy_(0, at.to(self.draft_probs.device, non_blocking=True),
+                                             torch.stack(stochastic))
+        self.stochastic[:len(flags)].copy_(torch.tensor(flags), non_blocking=True)
         graph.replay()
         self.replays += 1
         return True

@@ -211,7 +211,7 @@ class ModelRunner:
 
     def prepare_graphs(self, on_key=None, rewrite_manifest: bool = False) -> list[KeyReport]:
         """Compiles (and captures) every graph key with compile artifacts in the graph cache, then
-        (CUDA graphs) each DECODE key's greedy head graph (head_graphs.py). The manifest is written
+        (CUDA graphs) each DECODE key's head graphs (head_graphs.py). The manifest is written
         when the cache was empty (or stale, hence rebuilt), or when asked (warm-up); a sound one is
         left as the record of the warm-up that built it. No-op without graphs."""
         if self.graphs is None:
@@ -220,7 +220,8 @@ class ModelRunner:
         with self.graph_cache.active():
             reports = self.graphs.prepare(on_key)
         if self.graphs.cuda_graphs:
-            self.heads = HeadGraphs(self.graphs, self.model.greedy_tokens)
+            self.heads = HeadGraphs(self.graphs, self.model.greedy_tokens, self.model.compute_logits,
+                                    self.model.cfg.vocab_size, self.with_mtp or self.eagle3 is not None)
             self.heads.capture()
         if found is None or rewrite_manifest:
             self.graph_cache.write_manifest(reports)

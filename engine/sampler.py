@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from encore.backends.argmax import argmax_rows
-from encore.backends.host_tensors import upload
+from encore.backends.host_tensors import host_tensor, upload
 from encore.engine.sampling_params import SamplingParams
 
 SAMPLE_SALT = 0  # salt of the draw in Sampler; other users of seeded_uniform pick other salts
@@ -116,6 +116,40 @@ class SamplingTensors:
             truncates=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             uses_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         )
+
+    @staticmethod
+    def penalty_free_rows(rows: Sequence[tuple[SamplingParams, int, int]], slots: int
+                          ) -> tuple[list[float], list[int]]:
+        """Host values of rows whose penalties are off ((params, seed, counter) each), padded with
+        greedy rows to ``slots``, laid out as ``build`` lays them out: [6, slots] floats (temperature,
+        top-p, min-p, then the penalties' neutral values) and [3, slots] longs (seed, counter, top-k).
+        ``in_buffers`` reads them back on the device."""
+        pad = slots - len(rows)
+        floats = ([p.temperature for p, _, _ in rows] + [0.0] * pad + [p.top_p for p, _, _ in rows] + [1.0] * pad
+                  + [p.min_p for p, _, _ in rows] + [0.0] * pad + [1.0] * slots + [0.0] * (2 * slots))
+        longs = ([seed for _, seed, _ in rows] + [0] * pad + [counter for _, _, counter in rows] + [0] * pad
+                 + [p.top_k for p, _, _ in rows] + [0] * pad)
+        return floats, longs
+
+    @classmethod
+    def in_buffers(cls, floats: torch.Tensor, longs: torch.Tensor) -> SamplingTensors:
+        """The rows ``penalty_free_rows`` laid out in ``floats`` [6, N] and ``longs`` [3, N], for a
+        computation that serves any rows (a CUDA graph): every row filter is applied, and one a row
+        does not use leaves its distribution as it was, bit for bit."""
+        return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
+                   presence_penalty=floats[4], frequency_penalty=floats[5], seeds=longs[0], counters=longs[1],
+                   top_k=longs[2], prompt_tokens=None, output_tokens=None, max_logprobs=None, all_greedy=False,
+                   truncates=True, uses_min_p=True)
+
+
+def write_penalty_free_rows(floats: torch.Tensor, longs: torch.Tensor, rows: Sequence[tuple[SamplingParams, int, int]],
+                            slots: int) -> None:
+    """Writes ``rows`` as ``SamplingTensors.penalty_free_rows`` lays them out for ``slots`` into the front
+    of the device buffers ``floats`` and ``longs`` (two copies that do not wait for the device), where a
+    CUDA graph of ``slots`` rows reads them through ``SamplingTensors.in_buffers``."""
+    host_floats, host_longs = SamplingTensors.penalty_free_rows(rows, slots)
+    floats[:len(host_floats)].copy_(host_tensor(host_floats, torch.float32), non_blocking=True)
+    longs[:len(host_longs)].copy_(host_tensor(host_longs, torch.int64), non_blocking=True)
 
 
 def needs_token_history(params: Sequence[SamplingParams]) -> bool:

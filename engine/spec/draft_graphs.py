@@ -24,8 +24,14 @@ device-planned kernels: counted in its fallback steps per replay.
   first pass is the drafter's eager module even when the drafter is compiled (the compiled drafter is
   specialized to decode-only steps); inside the graph that costs no host work.
 
-Greedy only: a step with a sampling row drafts eager (it needs the draft distributions), as does a
-step that ran on no key; the speculator counts those in ``drafter_eager_steps``.
+A step with a sampling row drafts stochastically: each draft is drawn from the drafter's processed
+distribution (the row's temperature, top-k, top-p and min-p; no penalties), which verification needs
+too. Each key has a second graph for that, whose slots read their sampling parameters from a static
+buffer (``run`` and ``run_prefill`` write it, a slot past the drafting rows greedy) and which writes
+the k distributions of every slot into ``probs`` [bs, k, V] beside its drafts. That graph applies
+top-k, top-p and min-p to every slot (a slot without them keeps its distribution bit for bit), so a
+temperature-only step pays the top-p block's sort of the vocabulary at each draft. A step that ran on
+no key drafts eager; the speculator counts those in ``drafter_eager_steps``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import torch
 from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.kv_cache import DUMMY_PAGE
+from encore.engine.sampler import SamplingTensors, write_penalty_free_rows
+from encore.engine.sampling_params import SamplingParams
 from encore.engine.spec.acceptance import Verdict
 from encore.graphs.keys import GraphKey
 from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm_up_on_side_stream
@@ -47,8 +55,26 @@ from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm
 log = logging.getLogger(__name__)
 
 # draft(static step, first-pass input ids [T], target hidden [T, *], first-pass token of each drafting
-# slot [bs], that token's position [bs], page table of each slot [bs, P]) -> greedy drafts [bs, k]
-DraftFn = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# slot [bs], that token's position [bs], page table of each slot [bs, P], the slots' DraftSampling or None
+# for greedy drafts) -> (drafts [bs, k], their distributions [bs, k, V] or None when greedy)
+DraftFn = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    "DraftSampling | None"], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSampling:
+    """How each drafting row draws its drafts: its sampling parameters (``tensors``, penalties off, laid
+    out by ``SamplingTensors.penalty_free_rows`` with each row's prompt length for its counter) and that
+    prompt length [D], from which a draft's counter comes (a draft at position ``p`` is its request's
+    output token ``p + 2 - prompt length``)."""
+
+    tensors: SamplingTensors
+    prompt_lens: torch.Tensor
+
+    @staticmethod
+    def in_buffers(floats: torch.Tensor, longs: torch.Tensor) -> DraftSampling:
+        t = SamplingTensors.in_buffers(floats, longs)
+        return DraftSampling(t, prompt_lens=t.counters)
 
 
 @dataclass(slots=True)
@@ -59,8 +85,8 @@ class _DraftGraph:
 
 
 class DraftGraphs:
-    def __init__(self, graphs: GraphRunner, k: int, draft: DraftFn, tokens: torch.Tensor, accepted: torch.Tensor
-                 ) -> None:
+    def __init__(self, graphs: GraphRunner, k: int, vocab_size: int, draft: DraftFn, tokens: torch.Tensor,
+                 accepted: torch.Tensor) -> None:
         """``tokens`` [≥ T] and ``accepted`` [≥ bs]: the static buffers the verify keys' graphs read a
         step's verdict from, which a key's greedy head graph writes (engine/head_graphs.py)."""
         self.graphs = graphs
@@ -79,15 +105,22 @@ class DraftGraphs:
         # count; the tokens where a prefill row completes its prompt (up to bs).
         self.prefill_inputs = torch.zeros(max((key.num_tokens + 5 * key.bs + 1 for key in self.prefill_keys),
                                               default=0), dtype=torch.int64, device=tokens.device)
+        # The stochastic graphs' inputs (a key of bs slots reads the first 6 * bs floats and 3 * bs longs,
+        # laid out by SamplingTensors.penalty_free_rows) and their output distributions.
+        slots = max((key.bs for key in self.keys + self.prefill_keys), default=0)
+        self.sampling_floats = torch.zeros(6 * slots, dtype=torch.float32, device=tokens.device)
+        self.sampling_longs = torch.zeros(3 * slots, dtype=torch.int64, device=tokens.device)
+        self.probs = torch.zeros(slots, k, vocab_size, dtype=torch.float32, device=tokens.device)
         self._graphs: dict[GraphKey, _DraftGraph] = {}
+        self._sampled: dict[GraphKey, _DraftGraph] = {}
         self.replays = 0
 
-    def _verify_draft(self, key: GraphKey, static: ForwardBatch) -> torch.Tensor:
+    def _verify_draft(self, key: GraphKey, static: ForwardBatch, sampling: DraftSampling | None):
         ids, hidden = self.input_ids[:key.num_tokens], self.graphs.output(key)
         src = torch.arange(key.bs, device=ids.device) * self.q_len + self.accepted[:key.bs]  # [bs]
-        return self.draft(static, ids, hidden, src, static.positions[src], static.page_table)
+        return self.draft(static, ids, hidden, src, static.positions[src], static.page_table, sampling)
 
-    def _prefill_draft(self, key: GraphKey, static: ForwardBatch) -> torch.Tensor:
+    def _prefill_draft(self, key: GraphKey, static: ForwardBatch, sampling: DraftSampling | None):
         ids, base, rows, verify_row, accepted, count = self._prefill_views(key)
         moved = torch.where(verify_row >= 0, accepted[verify_row.clamp(min=0)], 0)  # [bs]
         src = base + moved  # [bs]
@@ -95,7 +128,12 @@ class DraftGraphs:
         # A spare slot drafts on the dummy page from position 0: its decode passes read one page.
         positions = torch.where(drafting, static.positions[src], 0)  # [bs]
         table = torch.where(drafting[:, None], static.page_table[rows], DUMMY_PAGE)  # [bs, P]
-        return self.draft(static, ids, self.graphs.output(key), src, positions, table)
+        return self.draft(static, ids, self.graphs.output(key), src, positions, table, sampling)
+
+    def _sampling(self, bs: int) -> DraftSampling:
+        """The stochastic graphs' sampling inputs for ``bs`` slots."""
+        return DraftSampling.in_buffers(self.sampling_floats[:6 * bs].view(6, bs),
+                                        self.sampling_longs[:3 * bs].view(3, bs))
 
     def _prefill_views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         T, bs = key.num_tokens, key.bs
@@ -104,35 +142,45 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every verify key's draft, then every prefill key's. Warm-up and capture run the
-        drafter on all-padding steps; the backend's fallback count is left as it was (those are not
-        serving steps)."""
+        """Captures every verify key's greedy and stochastic drafts, then every prefill key's. Warm-up
+        and capture run the drafter on all-padding steps; the backend's fallback count is left as it was
+        (those are not serving steps)."""
         start = time.perf_counter()
         before = reserved_after_sync()
         for key, build in [(key, self._verify_draft) for key in self.keys] + [
                 (key, self._prefill_draft) for key in self.prefill_keys]:
             static = self.graphs.buffers.fill(key, None)
 
-            def fn(key=key, static=static, build=build) -> torch.Tensor:
-                return build(key, static)
+            def greedy(key=key, static=static, build=build) -> torch.Tensor:
+                return build(key, static, None)[0]
+
+            def sampled(key=key, static=static, build=build) -> torch.Tensor:
+                drafts, probs = build(key, static, self._sampling(key.bs))
+                self.probs[:key.bs].copy_(probs)
+                return drafts
 
             with self.context.bind(static):
                 self.backend.plan(static, static=True)  # what the target's replay leaves for the first pass
-            fallbacks = self.backend.fallback_steps
-            warm_up_on_side_stream(fn)
-            warmed = self.backend.fallback_steps
-            graph, drafts = capture(fn, self.graphs.pool)
-            self._graphs[key] = _DraftGraph(graph, drafts, self.backend.fallback_steps - warmed)
-            self.backend.fallback_steps = fallbacks
-        log.info("drafter graphs: %d verify keys and %d prefill keys captured in %.1fs, pool +%.1f MiB",
-                 len(self.keys), len(self.prefill_keys), time.perf_counter() - start,
+            # Greedy slots, so that warm-up and capture read valid parameters.
+            write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.bs)
+            for fn, graphs in ((greedy, self._graphs), (sampled, self._sampled)):
+                fallbacks = self.backend.fallback_steps
+                warm_up_on_side_stream(fn)
+                warmed = self.backend.fallback_steps
+                graph, drafts = capture(fn, self.graphs.pool)
+                graphs[key] = _DraftGraph(graph, drafts, self.backend.fallback_steps - warmed)
+                self.backend.fallback_steps = fallbacks
+        log.info("drafter graphs (greedy and stochastic): %d verify keys and %d prefill keys captured in %.1fs, "
+                 "pool +%.1f MiB", len(self.keys), len(self.prefill_keys), time.perf_counter() - start,
                  (torch.cuda.memory_reserved() - before) / 2**20)
 
-    def run(self, key: GraphKey | None, rows: int, verdict: Verdict | None) -> torch.Tensor | None:
-        """Greedy drafts [rows, k] of a verify step that just replayed the target's graph on ``key``,
-        given its verdict (tokens [rows, 1 + k], accepted counts [rows]) or None where the key's head
-        graph has just written it to the buffers; None if ``key`` has no draft graph."""
-        captured = self._graphs.get(key)
+    def run(self, key: GraphKey | None, rows: int, verdict: Verdict | None,
+            sampling: list[tuple[SamplingParams, int, int]] | None = None) -> torch.Tensor | None:
+        """Drafts [rows, k] of a verify step that just replayed the target's graph on ``key``, given its
+        verdict (tokens [rows, 1 + k], accepted counts [rows]) or None where the key's head graph has
+        just written it to the buffers; None if ``key`` has no draft graph. Greedy, or with ``sampling``
+        ((params, seed, prompt length) of each row) stochastic, their distributions then in ``probs``."""
+        captured = self._take(key, sampling)
         if captured is None:
             return None
         if verdict is not None:
@@ -143,14 +191,15 @@ class DraftGraphs:
         return self._replay(captured, rows)
 
     def run_prefill(self, key: GraphKey | None, shifted: list[int], completing: list[tuple[int, int]],
-                    plain_tokens: torch.Tensor, verdict: Verdict) -> torch.Tensor | None:
-        """Greedy drafts [D, k] of a step with prefill rows that just replayed the target's graph on
-        ``key``; None if ``key`` has no draft graph. ``shifted``: the step's prefill tokens shifted by
-        one (a placeholder where a row completes its prompt); ``completing``: (row, token) of each
-        prefill row that completes its prompt, whose token is fed that row's sampled token
-        (``plain_tokens`` [c]); ``verdict``: the verify rows' (tokens [R, 1 + k], accepted [R]).
+                    plain_tokens: torch.Tensor, verdict: Verdict,
+                    sampling: list[tuple[SamplingParams, int, int]] | None = None) -> torch.Tensor | None:
+        """Drafts [D, k] of a step with prefill rows that just replayed the target's graph on ``key``;
+        None if ``key`` has no draft graph. ``shifted``: the step's prefill tokens shifted by one (a
+        placeholder where a row completes its prompt); ``completing``: (row, token) of each prefill row
+        that completes its prompt, whose token is fed that row's sampled token (``plain_tokens`` [c]);
+        ``verdict``: the verify rows' (tokens [R, 1 + k], accepted [R]); ``sampling`` as in ``run``.
         The D = c + R drafting rows are the completing rows, then the verify rows."""
-        captured = self._graphs.get(key)
+        captured = self._take(key, sampling)
         if captured is None:
             return None
         T, bs, P = key.num_tokens, key.bs, key.num_extend_tokens
@@ -171,6 +220,16 @@ class DraftGraphs:
             at = self.prefill_inputs[T + 4 * bs + 1:T + 4 * bs + 1 + c]
             ids.index_copy_(0, at, plain_tokens)
         return self._replay(captured, c + rows)
+
+    def _take(self, key: GraphKey | None, sampling: list[tuple[SamplingParams, int, int]] | None
+              ) -> _DraftGraph | None:
+        """``key``'s greedy graph, or its stochastic one with the rows' ``sampling`` in its buffers."""
+        if sampling is None:
+            return self._graphs.get(key)
+        if key not in self._sampled:
+            return None
+        write_penalty_free_rows(self.sampling_floats, self.sampling_longs, sampling, key.bs)
+        return self._sampled[key]
 
     def _replay(self, captured: _DraftGraph, rows: int) -> torch.Tensor:
         captured.graph.replay()

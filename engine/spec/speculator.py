@@ -19,10 +19,12 @@ A model drafter writes KV up to k - 1 positions past the step's tokens: the sche
 
 A step whose rows are all greedy (and penalty-free) needs no distributions: its tokens are the
 target's argmax and verification compares drafts with them (``verify_greedy``), and its drafts are
-the drafter's argmax. A DECODE step that replayed the target's graph and has no penalties, logprobs,
-grammar or opted-out rows verifies in that key's greedy head graph (engine/head_graphs.py); any step
-that replayed a key drafts in one replay of the drafter's graph for it (draft_graphs.py). Everything
-the host needs from a step comes back in one device-to-host copy.
+the drafter's argmax. A step with a sampling row draws its drafts from the drafter's processed
+distributions and keeps them for the next step's verification. A DECODE step that replayed the
+target's graph and has no penalties, logprobs, grammar or opted-out rows verifies in that key's greedy
+head graph (engine/head_graphs.py); any step that replayed a key drafts in one replay of the drafter's
+graph for it, greedy or stochastic (draft_graphs.py). Everything the host needs from a step comes back
+in one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ import torch
 
 from encore.backends.host_tensors import upload
 from encore.backends.metadata import ForwardBatch, ForwardMode
-from encore.engine.head_graphs import plain_greedy
+from encore.engine.head_graphs import plain_rows
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.engine.request import Request, TokenLogprob
 from encore.engine.sampler import SamplingTensors, needs_token_history, processed_probs, sample_from_probs
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.spec.acceptance import DRAFT_SALT, Verdict, verify, verify_greedy
 from encore.engine.spec.config import SpecConfig
-from encore.engine.spec.draft_graphs import DraftGraphs
+from encore.engine.spec.draft_graphs import DraftGraphs, DraftSampling
 from encore.engine.spec.drafters import model_drafter
 from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
@@ -85,7 +87,7 @@ class Speculator:
                                                         compile_threads=graphs.compiled.compile_threads,
                                                         artifact=runner.graph_cache.drafter_artifact,
                                                         pools=runner.kv_pools)
-            self.draft_graphs = DraftGraphs(graphs, self.k, self._graph_draft, runner.heads.tokens,
+            self.draft_graphs = DraftGraphs(graphs, self.k, vocab_size, self._graph_draft, runner.heads.tokens,
                                             runner.heads.accepted)
             with runner.graph_cache.active():  # the drafter's compile work goes in the graph cache too
                 self.draft_graphs.capture()
@@ -124,10 +126,9 @@ class Speculator:
         caps = upload([(counted, torch.long)], device)[0] if 0 in counted else None
         params = [r.params for r in sampled]
         greedy = all(p.greedy for p in params) and not needs_token_history(params)
-        t = None if greedy else self._target_tensors(sampled, n_plain, step.decodes, device)
         hidden = runner.forward(batch)  # [T, hidden]
         logits = None
-        if self._verified_in_head(batch, sampled, caps):
+        if self._verified_in_head(batch, sampled, caps, greedy, step.decodes):
             plain_tokens = drafts.new_zeros(0)
             spec = Verdict(runner.heads.accepted[:rows], runner.heads.tokens[:rows * q_len].view(rows, q_len))
         else:
@@ -138,9 +139,10 @@ class Speculator:
                 plain_tokens = choice[:n_plain]
                 spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
             else:
+                t = self._target_tensors(sampled, n_plain, step.decodes, device)
                 probs = processed_probs(logits, t)  # [N, V]
-                plain_tokens = verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
-                                      t.counters[:n_plain]).tokens[:, 0]
+                plain_tokens = (verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
+                                       t.counters[:n_plain]).tokens[:, 0] if n_plain else drafts.new_zeros(0))
                 spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
                               self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len],
                               t.counters[n_plain::q_len], caps)
@@ -177,11 +179,22 @@ class Speculator:
             req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
 
-    def _verified_in_head(self, batch: ForwardBatch, sampled: list[Request], caps: torch.Tensor | None) -> bool:
-        """Replays the greedy head graph of the DECODE key the step just replayed, where its rows are
-        plain greedy and none opted out (no caps): the verdict is then in the head's buffers, where the
-        draft graph reads it (engine/head_graphs.py). False where it did not run."""
-        return caps is None and plain_greedy(sampled) and self.runner.replay_head(batch)
+    def _verified_in_head(self, batch: ForwardBatch, sampled: list[Request], caps: torch.Tensor | None,
+                          greedy: bool, decodes: list[Request]) -> bool:
+        """Replays a head graph of the DECODE key the step just replayed, where none of its rows opted
+        out (no caps) and each needs only its processed distribution (``plain_rows``): the greedy head
+        where all are ``greedy``, else the stochastic verify head. The verdict is then in the heads'
+        buffers, where the draft graph reads it (engine/head_graphs.py). False where none ran."""
+        runner = self.runner
+        if caps is not None or not plain_rows(sampled):
+            return False
+        if greedy:
+            return runner.replay_head(batch)
+        if batch.mode is not ForwardMode.DECODE or runner.heads is None:
+            return False
+        rows = [(r.params, r.seed, r.num_output_tokens + j) for r in decodes for j in range(self.q_len)]
+        return runner.heads.run_sampled(runner.graphs.last_replayed, rows,
+                                        [self.draft_probs.get(r.request_id) for r in decodes])
 
     def _target_tensors(self, sampled: list[Request], n_plain: int, decodes: list[Request],
                         device: torch.device) -> SamplingTensors:
@@ -227,18 +240,24 @@ class Speculator:
                 fill_at.append(len(shifted))
                 shifted.append(0)
                 src_rows.append(row)
-        if greedy and self.draft_graphs is not None:
+        # Per drafting row: (params, seed, prompt length), how its drafts are drawn; None when all are greedy.
+        sampling = None if greedy else [(r.params, r.seed, len(r.prompt_token_ids)) for r in drafting]
+        if self.draft_graphs is not None:
             key = self.runner.graphs.last_replayed
-            drafts = (self.draft_graphs.run_prefill(key, shifted, list(zip(src_rows, fill_at)), plain_tokens, spec)
+            drafts = (self.draft_graphs.run_prefill(key, shifted, list(zip(src_rows, fill_at)), plain_tokens, spec,
+                                                    sampling)
                       if step.extends else
-                      self.draft_graphs.run(key, len(step.decodes), None if in_buffers else spec))
+                      self.draft_graphs.run(key, len(step.decodes), None if in_buffers else spec, sampling))
             if drafts is not None:
+                if sampling is not None:  # the graph's buffer is rewritten by its next replay
+                    self._keep_draft_probs(drafting, self.draft_graphs.probs[:len(drafting)].clone())
                 return drafting, drafts
         self.drafter_eager_steps += 1
         te = len(shifted)
-        shifted_d, fill_at_d, src_rows_d, prompt_lens = upload(
-            [(shifted, torch.long), (fill_at, torch.long), (src_rows, torch.long),
-             ([len(r.prompt_token_ids) for r in drafting], torch.long)], device)
+        floats, longs = SamplingTensors.penalty_free_rows(sampling or [], len(drafting))
+        shifted_d, fill_at_d, src_rows_d, floats_d, longs_d = upload(
+            [(shifted, torch.long), (fill_at, torch.long), (src_rows, torch.long), (floats, torch.float32),
+             (longs, torch.long)], device)
         ids = torch.empty(batch.num_tokens, dtype=torch.long, device=device)
         ids[:te] = shifted_d
         if fill_at:
@@ -253,38 +272,29 @@ class Speculator:
         src_row = torch.cat([src_rows_d,
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
-        if greedy:
-            return drafting, self._draft(batch, ids, hidden, src, batch.positions[src], page_table,
-                                         self._greedy_pick, self.model_drafter.forward, steps)
-        base = SamplingTensors.build([_without_penalties(r.params) for r in drafting], [r.seed for r in drafting],
-                                     [0] * len(drafting), [[]] * len(drafting), [[]] * len(drafting), device)
-        qs = []
-
-        def pick(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            # The draft at ``positions`` + 2 is its request's output token of that index.
-            t = replace(base, counters=positions + 2 - prompt_lens)
-            q = processed_probs(self.model_drafter.logits(hidden), t)  # [D, V]
-            qs.append(q)
-            return torch.where(t.temperature == 0, q.argmax(dim=-1), sample_from_probs(q, t.seeds, t.counters,
-                                                                                       DRAFT_SALT))
-
-        drafts = self._draft(batch, ids, hidden, src, batch.positions[src], page_table, pick,
-                             self.model_drafter.forward, steps)
-        q_all = torch.stack(qs, dim=1)  # [D, k, V]
-        for i, req in enumerate(drafting):
-            if not req.params.greedy and req.params.speculative is not False:  # a cap of 0 never reads q
-                self.draft_probs[req.request_id] = q_all[i]
+        draft_sampling = None if sampling is None else DraftSampling.in_buffers(floats_d.view(6, -1),
+                                                                                longs_d.view(3, -1))
+        drafts, probs = self._draft(batch, ids, hidden, src, batch.positions[src], page_table, draft_sampling,
+                                    self.model_drafter.forward, steps)
+        if probs is not None:
+            self._keep_draft_probs(drafting, probs)
         return drafting, drafts
 
+    def _keep_draft_probs(self, drafting: list[Request], probs: torch.Tensor) -> None:
+        """Keeps each stochastic drafting row's k distributions (``probs`` [D, k, V]) for its verification."""
+        for i, req in enumerate(drafting):
+            if not req.params.greedy and req.params.speculative is not False:  # a cap of 0 never reads q
+                self.draft_probs[req.request_id] = probs[i]
+
     def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
-                     positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-        """The greedy draft of a key's static step, as its draft graph captures it (draft_graphs.py).
+                     positions: torch.Tensor, page_table: torch.Tensor, sampling: DraftSampling | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft of a key's static step, as its draft graphs capture it (draft_graphs.py).
         The backend's plan for the step is already in place (made before the target's replay). The
         compiled drafter takes decode-only passes: a first pass over prefill rows runs the eager module."""
         steps = self.compiled_drafter or self.model_drafter.forward
         first = steps if static.mode is ForwardMode.DECODE else self.model_drafter.forward
-        return self._draft(static, ids, hidden, src, positions, page_table, self._greedy_pick, first, steps,
-                           plan_first=False)
+        return self._draft(static, ids, hidden, src, positions, page_table, sampling, first, steps, plan_first=False)
 
     def _draft_steps(self, page_table: torch.Tensor) -> tuple[Callable, torch.Tensor]:
         """How an eager draft runs its decode-only steps 2..k, and the table [D, P'] they read: on the
@@ -297,23 +307,31 @@ class Speculator:
         return compiled, torch.nn.functional.pad(page_table, (0, width - page_table.shape[1]), value=DUMMY_PAGE)
 
     def _draft(self, batch: ForwardBatch, ids: torch.Tensor, target_hidden: torch.Tensor, src: torch.Tensor,
-               positions: torch.Tensor, page_table: torch.Tensor,
-               pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], first: Callable, steps: Callable,
-               plan_first: bool = True) -> torch.Tensor:
+               positions: torch.Tensor, page_table: torch.Tensor, sampling: DraftSampling | None, first: Callable,
+               steps: Callable, plan_first: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``,
-        at ``positions`` [D] (pages ``page_table`` [D, P]); ``pick(states [D, H], positions [D])``
-        chooses each draft.
+        at ``positions`` [D] (pages ``page_table`` [D, P]): the drafter's argmax, or with ``sampling``
+        each row's draw from its processed draft distribution, those distributions [D, k, V] returned too.
         ``first`` runs the first drafter pass, ``steps`` each decode-only step after it."""
         drafter = self.model_drafter
+        qs = []
+
+        def pick(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            if sampling is None:
+                return drafter.greedy(hidden)
+            # The draft at ``positions`` + 2 is its request's output token of that index.
+            t = replace(sampling.tensors, counters=positions + 2 - sampling.prompt_lens)
+            q = processed_probs(drafter.logits(hidden), t)  # [D, V]
+            qs.append(q)
+            return torch.where(t.temperature == 0, q.argmax(dim=-1),
+                               sample_from_probs(q, t.seeds, t.counters, DRAFT_SALT))
+
         h = self._drafter_pass(first, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
         drafts = [pick(h, positions)]
         for step in _later_draft_steps(positions, page_table, batch.page_size, self._offsets, drafts):
             h = self._drafter_pass(steps, step, step.input_ids, h)
             drafts.append(pick(h, step.positions))
-        return torch.stack(drafts, dim=1)
-
-    def _greedy_pick(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model_drafter.greedy(hidden)
+        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
     def _drafter_pass(self, forward: Callable, batch: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor,
                       plan: bool = True) -> torch.Tensor:
@@ -348,10 +366,6 @@ class Speculator:
             "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
             "drafter_loaded": self.compiled_drafter is not None and self.compiled_drafter.record.loaded,
         }
-
-
-def _without_penalties(params):
-    return replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 
 
 def _later_draft_steps(positions: torch.Tensor, page_table: torch.Tensor, page_size: int, offsets: torch.Tensor,

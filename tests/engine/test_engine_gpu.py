@@ -81,6 +81,38 @@ def test_a_burst_as_large_as_the_row_budget_replays_on_capped_keys(tmp_path):
     assert stats["graph_replays"] == sum(stats["steps"].values()), stats
 
 
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_sampled_speculative_steps_replay_graphs_with_the_eager_steps_tokens(method):
+    """Steps with sampling rows verify in the DECODE keys' stochastic heads (engine/head_graphs.py) and
+    MTP draws its drafts in the keys' stochastic draft graphs (one replay drafts k tokens and keeps
+    their distributions; n-gram proposals are deterministic): the tokens are an eager engine's (no CUDA
+    graphs, float32), so the graphs draw the same drafts, keep the same distributions and reach the same
+    verdicts. Greedy, top-p and top-k with min-p rows share steps; prompts arrive beside running verify
+    rows (MIXED steps), the last one opted out of speculation (its steps verify eager). No MTP step
+    drafts eager, and KV pages all come back."""
+    prompts = SPEC_PROMPTS + ["for i in range(10):"]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True), SPEC_GREEDY,
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, min_p=0.05, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.7, seed=3, speculative=False, ignore_eos=True)]
+    arrivals = [0, 0, 3, 6]
+    options = dict(dtype="float32", max_model_len=256, compile=False, max_num_seqs=4,
+                   speculative={"method": method, "num_speculative_tokens": 3})
+    eager = Engine(device="cuda", cuda_graphs=False, **options)
+    want = {r: o.token_ids for r, o in run_staggered(eager, prompts, params, arrivals).items()}
+    spec = Engine(device="cuda", cuda_graphs=True, graph_decode_sizes=(1, 2, 4), graph_mixed_decode_sizes=(3,),
+                  graph_prefill_tokens=(16,), graph_extend_sizes=(1, 2), graph_mixed_extends=(1,), **options)
+    got = {r: o.token_ids for r, o in run_staggered(spec, prompts, params, arrivals).items()}
+    assert got == want
+    stats = spec.stats()
+    assert stats["steps"]["MIXED"] > 0 and stats["spec_accepted_tokens"] > 0 and stats["eager_steps"] == 0, stats
+    assert 0 < stats["head_graph_replays"] < stats["steps"]["DECODE"], stats  # not with the opted-out row
+    if method == "mtp":
+        assert stats["drafter_eager_steps"] == 0, stats
+        assert stats["drafter_graph_replays"] == sum(stats["steps"].values()), stats
+    assert not spec.speculator.draft_probs and stats["kv_pages_free"] == stats["kv_pages_total"], stats
+
+
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     engine = Engine(str(v3_dir), device="cuda", dtype="float32", page_size=16, compile=False, cuda_graphs=False)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
