@@ -14,15 +14,15 @@ a launch and host work between the target's replay and the read-back (~60-200 µ
 encore-tiny, H100). Results land in two static buffers, ``tokens`` [T] and ``accepted`` [bs]; a
 model drafter's draft graphs read their verdict from the same buffers (engine/spec/draft_graphs.py).
 
-A verify key has a second, stochastic head for steps whose rows sample (``plain_rows``, and none
-opted out of speculation): the processed target distribution of every token (temperature, top-k,
-top-p and min-p, each row's from a static buffer that ``run_sampled`` writes) and speculative sampling
-against the drafts (acceptance.verify). A row's draft distributions come from the static
-``draft_probs`` where its flag in ``stochastic`` is set (a model drafter drew its drafts), else they
-are one-hot at its drafts (a deterministic proposal). Eager, that is ~150 launches of host work a
-step (encore-tiny, MTP k = 2: most of a 5 ms step, against 0.6 ms greedy). It applies every row
-filter to every row (one a row does not use leaves its distribution as it was, bit for bit), so a
-temperature-only step pays a sort of the vocabulary.
+A verify key of up to ``MAX_STOCHASTIC_ROWS`` rows has two stochastic heads for steps whose rows
+sample (``plain_rows``, and none opted out of speculation): the processed target distribution of every
+token (temperature, top-k, top-p and min-p, each row's from a static buffer that ``run_sampled``
+writes) and speculative sampling against the drafts (acceptance.verify). A row's draft distributions
+come from the static ``draft_probs`` where its flag in ``stochastic`` is set (a model drafter drew its
+drafts), else they are one-hot at its drafts (a deterministic proposal). Eager, that is ~150 launches
+of host work a step (encore-tiny, MTP k = 2: most of a 5 ms step, against 0.6 ms greedy). One head
+applies min-p alone, the other top-k and top-p too, with their sort of the vocabulary, for steps where
+a row truncates; a filter a row does not use leaves its distribution as it was, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -42,6 +43,11 @@ from encore.graphs.keys import GraphKey
 from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm_up_on_side_stream
 
 log = logging.getLogger(__name__)
+
+# The most rows a stochastic head or draft graph serves. A head's distributions take ~6 MB of graph
+# pool a logits row at V2-Lite's vocabulary (102400: +420 MiB for verify keys of 1 and 16 rows of 4
+# tokens, H200), kept for the engine's life; past this a sampled step's host work is a small part of it.
+MAX_STOCHASTIC_ROWS = 64
 
 
 def plain_greedy(rows: Sequence[Request]) -> bool:
@@ -75,7 +81,7 @@ class HeadGraphs:
         self.accepted = torch.zeros(max((key.bs for key in self.keys), default=0), dtype=torch.int64, device=device)
         # The stochastic heads' inputs: a key of T tokens reads the first 6 * T floats and 3 * T longs (laid
         # out by SamplingTensors.penalty_free_rows), and per row its draft distributions and their flag.
-        verify_keys = [key for key in self.keys if key.q_len_per_req > 1]
+        verify_keys = [key for key in self.keys if key.q_len_per_req > 1 and key.bs <= MAX_STOCHASTIC_ROWS]
         tokens = max((key.num_tokens for key in verify_keys), default=0)
         rows = max((key.bs for key in verify_keys), default=0)
         k = max((key.q_len_per_req - 1 for key in verify_keys), default=0)
@@ -85,7 +91,7 @@ class HeadGraphs:
                                        device=device)
         self.stochastic = torch.zeros(rows, dtype=torch.bool, device=device)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._sampled: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._sampled: dict[tuple[GraphKey, bool], torch.cuda.CUDAGraph] = {}  # (key, whether it truncates)
         self.replays = 0
 
     def _head(self, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -98,10 +104,11 @@ class HeadGraphs:
         self.accepted[:bs].copy_(verdict.num_accepted)
         return tokens.copy_(verdict.tokens.flatten())
 
-    def _sampled_head(self, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _sampled_head(self, truncates: bool, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor
+                      ) -> torch.Tensor:
         T, bs, q = key.num_tokens, key.bs, key.q_len_per_req
         t = SamplingTensors.in_buffers(self.sampling_floats[:6 * T].view(6, T),
-                                       self.sampling_longs[:3 * T].view(3, T))
+                                       self.sampling_longs[:3 * T].view(3, T), truncates)
         probs = processed_probs(self.logits(hidden), t).view(bs, q, -1)  # [bs, q, V]
         drafts = input_ids.view(bs, q)[:, 1:]  # [bs, k]
         draft_probs = torch.zeros_like(probs[:, 1:]).scatter_(2, drafts[..., None], 1.0)  # [bs, k, V] one-hot
@@ -116,19 +123,20 @@ class HeadGraphs:
         start, before = time.perf_counter(), reserved_after_sync()
         for key in self.keys:
             static = self.graphs.buffers.fill(key, None)
-            heads = [(self._head, self._graphs)]
-            if key.q_len_per_req > 1:
-                heads.append((self._sampled_head, self._sampled))
+            heads = [(self._head, self._graphs, key)]
+            if key.q_len_per_req > 1 and key.bs <= MAX_STOCHASTIC_ROWS:
+                heads += [(partial(self._sampled_head, truncates), self._sampled, (key, truncates))
+                          for truncates in (False, True)]
                 # Greedy rows, so that warm-up and capture read valid parameters.
                 write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.num_tokens)
-            for head, graphs in heads:
+            for head, graphs, at in heads:
                 def fn(head=head, key=key, ids=static.input_ids, hidden=self.graphs.output(key)) -> torch.Tensor:
                     return head(key, ids, hidden)
 
                 warm_up_on_side_stream(fn)
-                graphs[key] = capture(fn, self.graphs.pool)[0]
-        log.info("head graphs: %d DECODE keys (%d with a stochastic verify head) captured in %.2fs, "
-                 "pool +%.1f MiB", len(self._graphs), len(self._sampled), time.perf_counter() - start,
+                graphs[at] = capture(fn, self.graphs.pool)[0]
+        log.info("head graphs: %d DECODE keys (%d with stochastic verify heads) captured in %.2fs, "
+                 "pool +%.1f MiB", len(self._graphs), len(self._sampled) // 2, time.perf_counter() - start,
                  (torch.cuda.memory_reserved() - before) / 2**20)
 
     def run(self, key: GraphKey | None) -> bool:
@@ -146,7 +154,7 @@ class HeadGraphs:
         has none. ``rows``: (params, seed, counter) of each logits row, a verify row's 1 + k in order;
         ``draft_probs``: each verify row's draft distributions [k, V], or None where it drafted
         deterministically."""
-        graph = self._sampled.get(key)
+        graph = self._sampled.get((key, any(params.truncates for params, _, _ in rows)))
         if graph is None:
             return False
         write_penalty_free_rows(self.sampling_floats, self.sampling_longs, rows, key.num_tokens)

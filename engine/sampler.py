@@ -113,7 +113,7 @@ class SamplingTensors:
             output_tokens=tokens.get("output"),
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
-            truncates=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            truncates=any(p.truncates for p in params),
             uses_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         )
 
@@ -132,14 +132,15 @@ class SamplingTensors:
         return floats, longs
 
     @classmethod
-    def in_buffers(cls, floats: torch.Tensor, longs: torch.Tensor) -> SamplingTensors:
+    def in_buffers(cls, floats: torch.Tensor, longs: torch.Tensor, truncates: bool) -> SamplingTensors:
         """The rows ``penalty_free_rows`` laid out in ``floats`` [6, N] and ``longs`` [3, N], for a
-        computation that serves any rows (a CUDA graph): every row filter is applied, and one a row
-        does not use leaves its distribution as it was, bit for bit."""
+        computation that serves any rows of its kind (a CUDA graph): min-p, and with ``truncates`` top-k
+        and top-p, are applied to every row (a filter a row does not use leaves its distribution as it
+        was, bit for bit)."""
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
                    presence_penalty=floats[4], frequency_penalty=floats[5], seeds=longs[0], counters=longs[1],
                    top_k=longs[2], prompt_tokens=None, output_tokens=None, max_logprobs=None, all_greedy=False,
-                   truncates=True, uses_min_p=True)
+                   truncates=truncates, uses_min_p=True)
 
 
 def write_penalty_free_rows(floats: torch.Tensor, longs: torch.Tensor, rows: Sequence[tuple[SamplingParams, int, int]],

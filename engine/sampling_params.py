@@ -102,6 +102,11 @@ class SamplingParams:
         return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
 
     @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p drops tokens from a stochastic row's distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

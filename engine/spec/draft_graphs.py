@@ -26,12 +26,13 @@ device-planned kernels: counted in its fallback steps per replay.
 
 A step with a sampling row drafts stochastically: each draft is drawn from the drafter's processed
 distribution (the row's temperature, top-k, top-p and min-p; no penalties), which verification needs
-too. Each key has a second graph for that, whose slots read their sampling parameters from a static
-buffer (``run`` and ``run_prefill`` write it, a slot past the drafting rows greedy) and which writes
-the k distributions of every slot into ``probs`` [bs, k, V] beside its drafts. That graph applies
-top-k, top-p and min-p to every slot (a slot without them keeps its distribution bit for bit), so a
-temperature-only step pays the top-p block's sort of the vocabulary at each draft. A step that ran on
-no key drafts eager; the speculator counts those in ``drafter_eager_steps``.
+too. A key of up to ``MAX_STOCHASTIC_ROWS`` slots (head_graphs.py says why) has two more graphs for
+that, whose slots read their sampling parameters from a static buffer (``run`` and ``run_prefill``
+write it, a slot past the drafting rows greedy) and which write the k distributions of every slot into
+``probs`` [bs, k, V] beside the drafts: one applies min-p alone, the other top-k and top-p too (the
+vocabulary's sort), for steps where a row truncates (a filter a slot does not use keeps its
+distribution bit for bit). A step that ran on no such key drafts eager; the speculator counts those in
+``drafter_eager_steps``.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.kv_cache import DUMMY_PAGE
+from encore.engine.head_graphs import MAX_STOCHASTIC_ROWS
 from encore.engine.sampler import SamplingTensors, write_penalty_free_rows
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.spec.acceptance import Verdict
@@ -72,8 +75,8 @@ class DraftSampling:
     prompt_lens: torch.Tensor
 
     @staticmethod
-    def in_buffers(floats: torch.Tensor, longs: torch.Tensor) -> DraftSampling:
-        t = SamplingTensors.in_buffers(floats, longs)
+    def in_buffers(floats: torch.Tensor, longs: torch.Tensor, truncates: bool) -> DraftSampling:
+        t = SamplingTensors.in_buffers(floats, longs, truncates)
         return DraftSampling(t, prompt_lens=t.counters)
 
 
@@ -107,12 +110,12 @@ class DraftGraphs:
                                               default=0), dtype=torch.int64, device=tokens.device)
         # The stochastic graphs' inputs (a key of bs slots reads the first 6 * bs floats and 3 * bs longs,
         # laid out by SamplingTensors.penalty_free_rows) and their output distributions.
-        slots = max((key.bs for key in self.keys + self.prefill_keys), default=0)
+        slots = max((key.bs for key in self.keys + self.prefill_keys if key.bs <= MAX_STOCHASTIC_ROWS), default=0)
         self.sampling_floats = torch.zeros(6 * slots, dtype=torch.float32, device=tokens.device)
         self.sampling_longs = torch.zeros(3 * slots, dtype=torch.int64, device=tokens.device)
         self.probs = torch.zeros(slots, k, vocab_size, dtype=torch.float32, device=tokens.device)
         self._graphs: dict[GraphKey, _DraftGraph] = {}
-        self._sampled: dict[GraphKey, _DraftGraph] = {}
+        self._sampled: dict[tuple[GraphKey, bool], _DraftGraph] = {}  # (key, whether it truncates)
         self.replays = 0
 
     def _verify_draft(self, key: GraphKey, static: ForwardBatch, sampling: DraftSampling | None):
@@ -130,10 +133,10 @@ class DraftGraphs:
         table = torch.where(drafting[:, None], static.page_table[rows], DUMMY_PAGE)  # [bs, P]
         return self.draft(static, ids, self.graphs.output(key), src, positions, table, sampling)
 
-    def _sampling(self, bs: int) -> DraftSampling:
+    def _sampling(self, bs: int, truncates: bool) -> DraftSampling:
         """The stochastic graphs' sampling inputs for ``bs`` slots."""
         return DraftSampling.in_buffers(self.sampling_floats[:6 * bs].view(6, bs),
-                                        self.sampling_longs[:3 * bs].view(3, bs))
+                                        self.sampling_longs[:3 * bs].view(3, bs), truncates)
 
     def _prefill_views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         T, bs = key.num_tokens, key.bs
@@ -154,8 +157,8 @@ class DraftGraphs:
             def greedy(key=key, static=static, build=build) -> torch.Tensor:
                 return build(key, static, None)[0]
 
-            def sampled(key=key, static=static, build=build) -> torch.Tensor:
-                drafts, probs = build(key, static, self._sampling(key.bs))
+            def sampled(truncates: bool, key=key, static=static, build=build) -> torch.Tensor:
+                drafts, probs = build(key, static, self._sampling(key.bs, truncates))
                 self.probs[:key.bs].copy_(probs)
                 return drafts
 
@@ -163,12 +166,16 @@ class DraftGraphs:
                 self.backend.plan(static, static=True)  # what the target's replay leaves for the first pass
             # Greedy slots, so that warm-up and capture read valid parameters.
             write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.bs)
-            for fn, graphs in ((greedy, self._graphs), (sampled, self._sampled)):
+            variants = [(greedy, self._graphs, key)]
+            if key.bs <= MAX_STOCHASTIC_ROWS:
+                variants += [(partial(sampled, truncates), self._sampled, (key, truncates))
+                             for truncates in (False, True)]
+            for fn, graphs, at in variants:
                 fallbacks = self.backend.fallback_steps
                 warm_up_on_side_stream(fn)
                 warmed = self.backend.fallback_steps
                 graph, drafts = capture(fn, self.graphs.pool)
-                graphs[key] = _DraftGraph(graph, drafts, self.backend.fallback_steps - warmed)
+                graphs[at] = _DraftGraph(graph, drafts, self.backend.fallback_steps - warmed)
                 self.backend.fallback_steps = fallbacks
         log.info("drafter graphs (greedy and stochastic): %d verify keys and %d prefill keys captured in %.1fs, "
                  "pool +%.1f MiB", len(self.keys), len(self.prefill_keys), time.perf_counter() - start,
@@ -226,10 +233,10 @@ class DraftGraphs:
         """``key``'s greedy graph, or its stochastic one with the rows' ``sampling`` in its buffers."""
         if sampling is None:
             return self._graphs.get(key)
-        if key not in self._sampled:
-            return None
-        write_penalty_free_rows(self.sampling_floats, self.sampling_longs, sampling, key.bs)
-        return self._sampled[key]
+        captured = self._sampled.get((key, any(params.truncates for params, _, _ in sampling)))
+        if captured is not None:
+            write_penalty_free_rows(self.sampling_floats, self.sampling_longs, sampling, key.bs)
+        return captured
 
     def _replay(self, captured: _DraftGraph, rows: int) -> torch.Tensor:
         captured.graph.replay()

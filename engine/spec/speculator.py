@@ -272,8 +272,8 @@ class Speculator:
         src_row = torch.cat([src_rows_d,
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
-        draft_sampling = None if sampling is None else DraftSampling.in_buffers(floats_d.view(6, -1),
-                                                                                longs_d.view(3, -1))
+        draft_sampling = None if sampling is None else DraftSampling.in_buffers(
+            floats_d.view(6, -1), longs_d.view(3, -1), any(params.truncates for params, _, _ in sampling))
         drafts, probs = self._draft(batch, ids, hidden, src, batch.positions[src], page_table, draft_sampling,
                                     self.model_drafter.forward, steps)
         if probs is not None:

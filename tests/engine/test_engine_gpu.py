@@ -88,14 +88,15 @@ def test_sampled_speculative_steps_replay_graphs_with_the_eager_steps_tokens(met
     MTP draws its drafts in the keys' stochastic draft graphs (one replay drafts k tokens and keeps
     their distributions; n-gram proposals are deterministic): the tokens are an eager engine's (no CUDA
     graphs, float32), so the graphs draw the same drafts, keep the same distributions and reach the same
-    verdicts. Greedy, top-p and top-k with min-p rows share steps; prompts arrive beside running verify
-    rows (MIXED steps), the last one opted out of speculation (its steps verify eager). No MTP step
-    drafts eager, and KV pages all come back."""
+    verdicts. Greedy, top-k with top-p, and min-p rows share steps (the graphs that truncate, then,
+    once the first row is done, those that do not); prompts arrive beside running verify rows (MIXED
+    steps), the last one opted out of speculation (its steps verify eager). No MTP step drafts eager,
+    and KV pages all come back."""
     prompts = SPEC_PROMPTS + ["for i in range(10):"]
-    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True), SPEC_GREEDY,
-              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, min_p=0.05, seed=2, ignore_eos=True),
+    params = [SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=1, ignore_eos=True),
+              SPEC_GREEDY, SamplingParams(max_tokens=24, temperature=1.0, min_p=0.05, seed=2, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.7, seed=3, speculative=False, ignore_eos=True)]
-    arrivals = [0, 0, 3, 6]
+    arrivals = [0, 0, 3, 8]
     options = dict(dtype="float32", max_model_len=256, compile=False, max_num_seqs=4,
                    speculative={"method": method, "num_speculative_tokens": 3})
     eager = Engine(device="cuda", cuda_graphs=False, **options)
