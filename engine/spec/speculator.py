@@ -161,20 +161,19 @@ class Speculator:
         accepted, host = host[:rows], host[rows:]
         spec_tokens = [host[b * q_len:(b + 1) * q_len] for b in range(rows)]
         draft_host = host[rows * q_len:]
-        results = []
-        for i, req in enumerate(sampled[:n_plain]):
-            results.append(RowResult(req, [plain_host[i]], self._logprobs(logprobs, req, [i], [plain_host[i]]), None))
+        results = [RowResult(req, [plain_host[i]], None, None) for i, req in enumerate(sampled[:n_plain])]
         for b, req in enumerate(step.decodes):
             a = accepted[b]
-            emitted = spec_tokens[b][:a + 1]
-            first = n_plain + b * q_len
-            results.append(RowResult(req, emitted,
-                                     self._logprobs(logprobs, req, range(first, first + a + 1), emitted), a,
-                                     counted[b]))
+            results.append(RowResult(req, spec_tokens[b][:a + 1], None, a, counted[b]))
             if counted[b]:
                 self.drafted += counted[b]
                 self.accepted += a
                 self.verify_rows += 1
+        if logprobs is not None:
+            # Each row's logits rows: a plain row's own, a verify row's first 1 + accepted.
+            firsts = list(range(n_plain)) + [n_plain + b * q_len for b in range(rows)]
+            _read_logprobs(logprobs, [(res, range(first, first + len(res.tokens)))
+                                      for res, first in zip(results, firsts)])
         for i, req in enumerate(drafting):
             req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
@@ -344,17 +343,6 @@ class Speculator:
                 self.runner.backend.plan(batch)
             return forward(batch, ids, hidden)
 
-    def _logprobs(self, logprobs: torch.Tensor | None, req: Request, rows, tokens: list[int]
-                  ) -> list[TokenLogprob] | None:
-        n = req.params.logprobs
-        if n is None or logprobs is None:
-            return None
-        index, chosen_ids = upload([(list(rows), torch.long), (tokens, torch.long)], logprobs.device)
-        chosen = logprobs[index].gather(1, chosen_ids[:, None]).squeeze(1)
-        top_vals, top_ids = logprobs[index].topk(max(n, 1), dim=-1)
-        return [TokenLogprob(tok, lp, list(zip(ids[:n], vals[:n])))
-                for tok, lp, ids, vals in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist())]
-
     def stats(self) -> dict:
         return {
             "spec_draft_tokens": self.drafted,
@@ -366,6 +354,27 @@ class Speculator:
             "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
             "drafter_loaded": self.compiled_drafter is not None and self.compiled_drafter.record.loaded,
         }
+
+
+def _read_logprobs(logprobs: torch.Tensor, rows: list[tuple[RowResult, range]]) -> None:
+    """Fills in the logprobs of each result whose request asked for them: its emitted tokens' and its top
+    n at each of its logits rows (``logprobs`` [N, V] rows). One gather and top-k over every such row of
+    the step and two reads back (a read per row made the host wait on the device three times a row)."""
+    asked = [(res, at) for res, at in rows if res.request.params.logprobs is not None]
+    if not asked:
+        return
+    index, chosen_ids = upload([([i for _, at in asked for i in at], torch.long),
+                                ([t for res, _ in asked for t in res.tokens], torch.long)], logprobs.device)
+    picked = logprobs[index]  # [M, V]
+    top_vals, top_ids = picked.topk(max(1, max(res.request.params.logprobs for res, _ in asked)), dim=-1)
+    values = torch.cat([picked.gather(1, chosen_ids[:, None]), top_vals], dim=1).tolist()  # [M, 1 + n]
+    ids = top_ids.tolist()
+    m = 0
+    for res, _ in asked:
+        n = res.request.params.logprobs
+        res.logprobs = [TokenLogprob(t, values[m + j][0], list(zip(ids[m + j][:n], values[m + j][1:1 + n])))
+                        for j, t in enumerate(res.tokens)]
+        m += len(res.tokens)
 
 
 def _later_draft_steps(positions: torch.Tensor, page_table: torch.Tensor, page_size: int, offsets: torch.Tensor,

@@ -221,6 +221,34 @@ def test_filters_that_no_row_uses_are_skipped_with_the_same_result():
     assert _build([SamplingParams(min_p=0.1)]).uses_min_p and not _build([SamplingParams(min_p=0.1)]).truncates
 
 
+
+@pytest.mark.parametrize("truncates", [False, True])
+def test_the_static_layout_reads_back_as_build_lays_rows_out(truncates):
+    """The stochastic heads and draft graphs (engine/head_graphs.py) read their rows' parameters from
+    buffers laid out by ``penalty_free_rows`` through ``in_buffers``: the same distributions as
+    ``build``'s tensors bit for bit (min-p always applied; top-k and top-p only in the variant that
+    truncates, which serves steps where a row does), the same seeds and counters, and slots past the
+    rows greedy (one-hot at their argmax)."""
+    gen = torch.Generator().manual_seed(7)
+    params = [SamplingParams(temperature=0.7), SamplingParams(),
+              SamplingParams(temperature=1.2, min_p=0.1), SamplingParams(temperature=0.0, top_p=0.5)]
+    if truncates:
+        params.append(SamplingParams(temperature=0.9, top_k=7, top_p=0.8))
+    seeds, counters = [2**40 + 3, -5, 17, 0, 99][:len(params)], [0, 4, 9, 2, 31][:len(params)]
+    slots = len(params) + 2
+    logits = torch.randn(slots, 200, generator=gen) * 3
+    floats, longs = SamplingTensors.penalty_free_rows(list(zip(params, seeds, counters)), slots)
+    t = SamplingTensors.in_buffers(torch.tensor(floats).view(6, slots), torch.tensor(longs).view(3, slots),
+                                   truncates)
+    want = _build(params, seeds=seeds, counters=counters)
+    assert want.truncates == truncates
+    got = processed_probs(logits, t)
+    assert torch.equal(got[:len(params)], processed_probs(logits[:len(params)], want))
+    greedy = torch.zeros(2, 200).scatter_(1, logits[len(params):].argmax(dim=-1, keepdim=True), 1.0)
+    assert torch.equal(got[len(params):], greedy)
+    assert t.seeds[:len(params)].tolist() == seeds and t.counters[:len(params)].tolist() == counters
+    assert torch.equal(t.top_k[:len(params)], want.top_k) and torch.equal(t.top_p[:len(params)], want.top_p)
+
 def test_top_k_keeps_ties_and_off_values():
     row = [3.0, 2.0, 2.0, 1.0, 0.0]
     _assert_probs(row, SamplingParams(top_k=2))

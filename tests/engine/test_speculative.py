@@ -44,6 +44,29 @@ def test_greedy_speculation_is_token_identical(reference, method, k, workload):
     check_greedy_run(engine, PROMPTS, GREEDY, reference, workload)
 
 
+
+def test_speculative_logprobs_are_plain_decodings(reference):
+    """A verify step's emitted tokens get the logprobs plain decoding gives them: the chosen token's and
+    the request's own top n, whatever the other rows of the step ask (top 3, top 0, none, top 5);
+    MTP k = 2 on the mixed workload (prefill rows sample beside verify rows)."""
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=n, ignore_eos=True) for n in (3, 0, None, 5)]
+    arrivals, options = WORKLOADS["mixed"]["arrivals"], WORKLOADS["mixed"]["options"]
+    want = run_staggered(Engine(device="cpu", page_size=4), PROMPTS, params, arrivals)
+    spec = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2}, **options)
+    got = run_staggered(spec, PROMPTS, params, arrivals)
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    for rid, out in want.items():
+        assert got[rid].token_ids == out.token_ids == reference[rid][:12], rid
+        if out.logprobs is None:
+            assert got[rid].logprobs is None, rid
+            continue
+        pairs = list(zip(got[rid].logprobs, out.logprobs, strict=True))
+        assert [(g.token_id, [t for t, _ in g.top]) for g, _ in pairs] == [
+            (w.token_id, [t for t, _ in w.top]) for _, w in pairs], rid
+        assert [g.logprob for g, _ in pairs] == pytest.approx([w.logprob for _, w in pairs], abs=1e-4), rid
+        assert [v for g, _ in pairs for _, v in g.top] == pytest.approx([v for _, w in pairs for _, v in w.top],
+                                                                          abs=1e-4), rid
+
 def check_greedy_run(engine: Engine, prompts: list, params: SamplingParams, reference: dict, workload: str) -> dict:
     """Runs the workload on ``engine``: every output is its reference's prefix, drafts were made,
     no page leaked. Returns the engine's stats."""
