@@ -21,10 +21,11 @@ A step whose rows are all greedy (and penalty-free) needs no distributions: its 
 target's argmax and verification compares drafts with them (``verify_greedy``), and its drafts are
 the drafter's argmax. A step with a sampling row draws its drafts from the drafter's processed
 distributions and keeps them for the next step's verification. A DECODE step that replayed the
-target's graph and has no penalties, logprobs, grammar or opted-out rows verifies in that key's greedy
-head graph (engine/head_graphs.py); any step that replayed a key drafts in one replay of the drafter's
-graph for it, greedy or stochastic (draft_graphs.py). Everything the host needs from a step comes back
-in one device-to-host copy.
+target's graph and has no penalties, logprobs, grammar or opted-out rows verifies in one replay of
+that key's greedy or stochastic head graph (engine/head_graphs.py); any step that replayed a key
+drafts in one replay of the drafter's graph for it, greedy or stochastic (draft_graphs.py). Everything
+the host needs from a step comes back in one device-to-host copy (logprobs, when asked for, in two
+more).
 """
 
 from __future__ import annotations
