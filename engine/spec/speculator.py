@@ -78,6 +78,7 @@ class Speculator:
         self.accepted = 0
         self.verify_rows = 0
         self.drafter_eager_steps = 0  # steps whose draft ran eager (a first pass and k - 1 draft steps)
+        self.verify_eager_steps = 0  # steps with verify rows whose verdict no head graph computed
         self.draft_graphs = None
         self.compiled_drafter = None
         graphs = runner.graphs
@@ -133,6 +134,8 @@ class Speculator:
             plain_tokens = drafts.new_zeros(0)
             spec = Verdict(runner.heads.accepted[:rows], runner.heads.tokens[:rows * q_len].view(rows, q_len))
         else:
+            if rows:
+                self.verify_eager_steps += 1
             logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
             runner.apply_masks(logits, masks)
             if greedy:
@@ -351,6 +354,7 @@ class Speculator:
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "spec_mean_accepted_length": 1 + self.accepted / self.verify_rows if self.verify_rows else 0.0,
             "drafter_eager_steps": self.drafter_eager_steps,
+            "verify_eager_steps": self.verify_eager_steps,
             "drafter_graph_replays": self.draft_graphs.replays if self.draft_graphs is not None else 0,
             "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
             "drafter_loaded": self.compiled_drafter is not None and self.compiled_drafter.record.loaded,

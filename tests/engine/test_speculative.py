@@ -76,6 +76,8 @@ def check_greedy_run(engine: Engine, prompts: list, params: SamplingParams, refe
     stats = engine.stats()
     if workload == "mixed":
         assert stats["steps"]["MIXED"] > 0, stats["steps"]
+    # No head graphs on the CPU: every step with verify rows (all but prompt-only ones) verifies eager.
+    assert stats["verify_eager_steps"] == stats["steps"]["DECODE"] + stats["steps"]["MIXED"] > 0, stats
     assert stats["spec_draft_tokens"] > 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     return stats
