@@ -61,6 +61,7 @@ def test_strided_seeds_and_counters_are_read_row_by_row():
     spread[0][::3], spread[1][::3] = seeds, counters
     assert torch.equal(exponential_race(probs, spread[0][::3], spread[1][::3], 0), reference(probs, seeds, counters, 0))
 
+
 @in_process
 def test_draws_depend_on_seed_counter_and_salt_only():
     probs, seeds, counters = draw_inputs(8, 3000, seed=1)
