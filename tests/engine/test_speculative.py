@@ -67,6 +67,30 @@ def test_speculative_logprobs_are_plain_decodings(reference):
         assert [v for g, _ in pairs for _, v in g.top] == pytest.approx([v for _, w in pairs for _, v in w.top],
                                                                           abs=1e-4), rid
 
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculation_with_penalties_is_token_identical(method):
+    """Greedy rows with repetition and presence penalties, or a frequency penalty: each of a verify row's
+    1 + k logits rows is penalized by the output so far plus the drafts before it (and the prompt), so
+    the tokens are plain decoding's with the same penalties; a row without penalties shares the steps.
+    Speculation with penalties had no test; this one fails when a logits row's history leaves out the
+    drafts before it."""
+    repeat = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.1,
+                            ignore_eos=True)
+    # Mild enough that the model still repeats itself: its drafts are accepted and then counted.
+    frequency = SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.5, ignore_eos=True)
+    params = [repeat, frequency, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), frequency]
+    arrivals, options = WORKLOADS["mixed"]["arrivals"], WORKLOADS["mixed"]["options"]
+    want = run_staggered(Engine(device="cpu", page_size=4), PROMPTS, params, arrivals)
+    spec = Engine(device="cpu", page_size=4, speculative={"method": method, "num_speculative_tokens": 2}, **options)
+    got = run_staggered(spec, PROMPTS, params, arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    # The penalties change the tokens (so the comparison above tests them).
+    plain = run_staggered(Engine(device="cpu", page_size=4), PROMPTS, params[2], arrivals)
+    assert any(plain[r].token_ids != want[r].token_ids for r in ("r0", "r1", "r3"))
+
+
 def check_greedy_run(engine: Engine, prompts: list, params: SamplingParams, reference: dict, workload: str) -> dict:
     """Runs the workload on ``engine``: every output is its reference's prefix, drafts were made,
     no page leaked. Returns the engine's stats."""
