@@ -34,9 +34,10 @@ from functools import partial
 
 import torch
 
+from encore.backends.host_tensors import upload
 from encore.backends.metadata import ForwardMode
 from encore.engine.request import Request
-from encore.engine.sampler import SamplingTensors, processed_probs, write_penalty_free_rows
+from encore.engine.sampler import StaticSamplingRows, processed_probs
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.spec.acceptance import verify, verify_greedy
 from encore.graphs.keys import GraphKey
@@ -79,14 +80,13 @@ class HeadGraphs:
         self.tokens = torch.zeros(max((key.num_tokens for key in self.keys), default=0), dtype=torch.int64,
                                   device=device)
         self.accepted = torch.zeros(max((key.bs for key in self.keys), default=0), dtype=torch.int64, device=device)
-        # The stochastic heads' inputs: a key of T tokens reads the first 6 * T floats and 3 * T longs (laid
-        # out by SamplingTensors.penalty_free_rows), and per row its draft distributions and their flag.
-        verify_keys = [key for key in self.keys if key.q_len_per_req > 1 and key.bs <= MAX_STOCHASTIC_ROWS]
-        tokens = max((key.num_tokens for key in verify_keys), default=0)
-        rows = max((key.bs for key in verify_keys), default=0)
-        k = max((key.q_len_per_req - 1 for key in verify_keys), default=0)
-        self.sampling_floats = torch.zeros(6 * tokens, dtype=torch.float32, device=device)
-        self.sampling_longs = torch.zeros(3 * tokens, dtype=torch.int64, device=device)
+        # The stochastic heads' inputs: each logits row's sampling parameters, and per row its draft
+        # distributions and their flag.
+        self.stochastic_keys = tuple(key for key in self.keys
+                                     if key.q_len_per_req > 1 and key.bs <= MAX_STOCHASTIC_ROWS)
+        rows = max((key.bs for key in self.stochastic_keys), default=0)
+        k = max((key.q_len_per_req - 1 for key in self.stochastic_keys), default=0)
+        self.sampling = StaticSamplingRows(max((key.num_tokens for key in self.stochastic_keys), default=0), device)
         self.draft_probs = torch.zeros(rows if draft_distributions else 0, k, vocab_size, dtype=torch.float32,
                                        device=device)
         self.stochastic = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -107,8 +107,7 @@ class HeadGraphs:
     def _sampled_head(self, truncates: bool, key: GraphKey, input_ids: torch.Tensor, hidden: torch.Tensor
                       ) -> torch.Tensor:
         T, bs, q = key.num_tokens, key.bs, key.q_len_per_req
-        t = SamplingTensors.in_buffers(self.sampling_floats[:6 * T].view(6, T),
-                                       self.sampling_longs[:3 * T].view(3, T), truncates)
+        t = self.sampling.tensors(T, truncates)
         probs = processed_probs(self.logits(hidden), t).view(bs, q, -1)  # [bs, q, V]
         drafts = input_ids.view(bs, q)[:, 1:]  # [bs, k]
         draft_probs = torch.zeros_like(probs[:, 1:]).scatter_(2, drafts[..., None], 1.0)  # [bs, k, V] one-hot
@@ -124,11 +123,10 @@ class HeadGraphs:
         for key in self.keys:
             static = self.graphs.buffers.fill(key, None)
             heads = [(self._head, self._graphs, key)]
-            if key.q_len_per_req > 1 and key.bs <= MAX_STOCHASTIC_ROWS:
+            if key in self.stochastic_keys:
                 heads += [(partial(self._sampled_head, truncates), self._sampled, (key, truncates))
                           for truncates in (False, True)]
-                # Greedy rows, so that warm-up and capture read valid parameters.
-                write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.num_tokens)
+                self.sampling.write([], key.num_tokens)  # greedy rows: warm-up and capture read valid values
             for head, graphs, at in heads:
                 def fn(head=head, key=key, ids=static.input_ids, hidden=self.graphs.output(key)) -> torch.Tensor:
                     return head(key, ids, hidden)
@@ -157,17 +155,16 @@ class HeadGraphs:
         graph = self._sampled.get((key, any(params.truncates for params, _, _ in rows)))
         if graph is None:
             return False
-        write_penalty_free_rows(self.sampling_floats, self.sampling_longs, rows, key.num_tokens)
-        flags = [q is not None for q in draft_probs]
+        self.sampling.write(rows, key.num_tokens)
+        flags = [int(q is not None) for q in draft_probs]
         stochastic = [q for q in draft_probs if q is not None]
-        if stochastic:
-            if all(flags):
-                torch.stack(stochastic, out=self.draft_probs[:len(flags)])
-            else:
-                at = torch.tensor([i for i, flag in enumerate(flags) if flag], dtype=torch.int64)
-                self.draft_probs.index_copy_(0, at.to(self.draft_probs.device, non_blocking=True),
-                                             torch.stack(stochastic))
-        self.stochastic[:len(flags)].copy_(torch.tensor(flags), non_blocking=True)
+        at = [i for i, flag in enumerate(flags) if flag]
+        flags_d, at_d = upload([(flags, torch.int64), (at, torch.int64)], self.stochastic.device)
+        self.stochastic[:len(flags)].copy_(flags_d)
+        if at and len(at) == len(flags):
+            torch.stack(stochastic, out=self.draft_probs[:len(flags)])
+        elif at:
+            self.draft_probs.index_copy_(0, at_d, torch.stack(stochastic))
         graph.replay()
         self.replays += 1
         return True

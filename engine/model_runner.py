@@ -21,6 +21,7 @@ from encore.engine.grammar import apply_bitmask
 from encore.engine.head_graphs import HeadGraphs
 from encore.engine.kv_cache import allocate_kv_caches
 from encore.engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from encore.engine.sampling_params import SamplingParams
 from encore.engine.spec.draft_kv_cache import DraftKVCache
 from encore.engine.step import scratch_batch
 from encore.graphs.cache import GraphCache
@@ -364,11 +365,15 @@ class ModelRunner:
             return self.heads.tokens[:batch.num_tokens]
         return self.model.greedy_tokens(hidden)
 
-    def replay_head(self, batch: ForwardBatch) -> bool:
+    def replay_head(self, batch: ForwardBatch, rows: list[tuple[SamplingParams, int, int]] | None = None,
+                    draft_probs: list[torch.Tensor | None] | None = None) -> bool:
         """Right after ``forward(batch)``: replays the greedy head graph of the DECODE key the step
-        replayed; False where there is none (no graphs, another mode, or the step ran unreplayed)."""
-        return (batch.mode is ForwardMode.DECODE and self.heads is not None
-                and self.heads.run(self.graphs.last_replayed))
+        replayed, or with ``rows`` its stochastic verify head (``HeadGraphs.run_sampled``); False where
+        there is none (no graphs, another mode, the step ran unreplayed, or a key with no such head)."""
+        if batch.mode is not ForwardMode.DECODE or self.heads is None:
+            return False
+        key = self.graphs.last_replayed
+        return self.heads.run(key) if rows is None else self.heads.run_sampled(key, rows, draft_probs)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, sampling: Callable[[], SamplingTensors],

@@ -143,14 +143,28 @@ class SamplingTensors:
                    truncates=truncates, uses_min_p=True)
 
 
-def write_penalty_free_rows(floats: torch.Tensor, longs: torch.Tensor, rows: Sequence[tuple[SamplingParams, int, int]],
-                            slots: int) -> None:
-    """Writes ``rows`` as ``SamplingTensors.penalty_free_rows`` lays them out for ``slots`` into the front
-    of the device buffers ``floats`` and ``longs`` (two copies that do not wait for the device), where a
-    CUDA graph of ``slots`` rows reads them through ``SamplingTensors.in_buffers``."""
-    host_floats, host_longs = SamplingTensors.penalty_free_rows(rows, slots)
-    floats[:len(host_floats)].copy_(host_tensor(host_floats, torch.float32), non_blocking=True)
-    longs[:len(host_longs)].copy_(host_tensor(host_longs, torch.int64), non_blocking=True)
+class StaticSamplingRows:
+    """Device buffers a CUDA graph of up to ``capacity`` penalty-free rows reads its rows' sampling
+    parameters from: a graph of ``slots`` rows reads the first 6 * slots floats and 3 * slots longs, laid
+    out by ``SamplingTensors.penalty_free_rows``, through ``tensors``; ``write`` puts a step's rows there."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.floats = torch.zeros(6 * capacity, dtype=torch.float32, device=device)
+        self.longs = torch.zeros(3 * capacity, dtype=torch.int64, device=device)
+
+    def tensors(self, slots: int, truncates: bool) -> SamplingTensors:
+        return SamplingTensors.in_buffers(self.floats[:6 * slots].view(6, slots),
+                                          self.longs[:3 * slots].view(3, slots), truncates)
+
+    def write(self, rows: Sequence[tuple[SamplingParams, int, int]], slots: int) -> None:
+        """``rows`` ((params, seed, counter) each) for a graph of ``slots`` rows, the rest greedy; two
+        copies that do not wait for the device."""
+        if not len(rows) <= slots <= self.capacity:
+            raise ValueError(f"{len(rows)} rows in {slots} slots: the buffers hold {self.capacity}")
+        floats, longs = SamplingTensors.penalty_free_rows(rows, slots)
+        self.floats[:len(floats)].copy_(host_tensor(floats, torch.float32), non_blocking=True)
+        self.longs[:len(longs)].copy_(host_tensor(longs, torch.int64), non_blocking=True)
 
 
 def needs_token_history(params: Sequence[SamplingParams]) -> bool:

@@ -49,7 +49,7 @@ from encore.backends.host_tensors import host_tensor
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.engine.head_graphs import MAX_STOCHASTIC_ROWS
-from encore.engine.sampler import SamplingTensors, write_penalty_free_rows
+from encore.engine.sampler import SamplingTensors, StaticSamplingRows
 from encore.engine.sampling_params import SamplingParams
 from encore.engine.spec.acceptance import Verdict
 from encore.graphs.keys import GraphKey
@@ -58,26 +58,12 @@ from encore.graphs.runner import GraphRunner, capture, reserved_after_sync, warm
 log = logging.getLogger(__name__)
 
 # draft(static step, first-pass input ids [T], target hidden [T, *], first-pass token of each drafting
-# slot [bs], that token's position [bs], page table of each slot [bs, P], the slots' DraftSampling or None
-# for greedy drafts) -> (drafts [bs, k], their distributions [bs, k, V] or None when greedy)
+# slot [bs], that token's position [bs], page table of each slot [bs, P], the slots' sampling parameters
+# or None for greedy drafts) -> (drafts [bs, k], their distributions [bs, k, V] or None when greedy). The
+# sampling parameters' counters hold each slot's prompt length: a draft at position p is its request's
+# output token p + 2 - prompt length.
 DraftFn = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                    "DraftSampling | None"], tuple[torch.Tensor, torch.Tensor | None]]
-
-
-@dataclass(frozen=True, slots=True)
-class DraftSampling:
-    """How each drafting row draws its drafts: its sampling parameters (``tensors``, penalties off, laid
-    out by ``SamplingTensors.penalty_free_rows`` with each row's prompt length for its counter) and that
-    prompt length [D], from which a draft's counter comes (a draft at position ``p`` is its request's
-    output token ``p + 2 - prompt length``)."""
-
-    tensors: SamplingTensors
-    prompt_lens: torch.Tensor
-
-    @staticmethod
-    def in_buffers(floats: torch.Tensor, longs: torch.Tensor, truncates: bool) -> DraftSampling:
-        t = SamplingTensors.in_buffers(floats, longs, truncates)
-        return DraftSampling(t, prompt_lens=t.counters)
+                    SamplingTensors | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(slots=True)
@@ -108,22 +94,21 @@ class DraftGraphs:
         # count; the tokens where a prefill row completes its prompt (up to bs).
         self.prefill_inputs = torch.zeros(max((key.num_tokens + 5 * key.bs + 1 for key in self.prefill_keys),
                                               default=0), dtype=torch.int64, device=tokens.device)
-        # The stochastic graphs' inputs (a key of bs slots reads the first 6 * bs floats and 3 * bs longs,
-        # laid out by SamplingTensors.penalty_free_rows) and their output distributions.
+        # The stochastic graphs' inputs (each slot's sampling parameters, its prompt length for counter) and
+        # their output distributions.
         slots = max((key.bs for key in self.keys + self.prefill_keys if key.bs <= MAX_STOCHASTIC_ROWS), default=0)
-        self.sampling_floats = torch.zeros(6 * slots, dtype=torch.float32, device=tokens.device)
-        self.sampling_longs = torch.zeros(3 * slots, dtype=torch.int64, device=tokens.device)
+        self.sampling = StaticSamplingRows(slots, tokens.device)
         self.probs = torch.zeros(slots, k, vocab_size, dtype=torch.float32, device=tokens.device)
         self._graphs: dict[GraphKey, _DraftGraph] = {}
         self._sampled: dict[tuple[GraphKey, bool], _DraftGraph] = {}  # (key, whether it truncates)
         self.replays = 0
 
-    def _verify_draft(self, key: GraphKey, static: ForwardBatch, sampling: DraftSampling | None):
+    def _verify_draft(self, key: GraphKey, static: ForwardBatch, sampling: SamplingTensors | None):
         ids, hidden = self.input_ids[:key.num_tokens], self.graphs.output(key)
         src = torch.arange(key.bs, device=ids.device) * self.q_len + self.accepted[:key.bs]  # [bs]
         return self.draft(static, ids, hidden, src, static.positions[src], static.page_table, sampling)
 
-    def _prefill_draft(self, key: GraphKey, static: ForwardBatch, sampling: DraftSampling | None):
+    def _prefill_draft(self, key: GraphKey, static: ForwardBatch, sampling: SamplingTensors | None):
         ids, base, rows, verify_row, accepted, count = self._prefill_views(key)
         moved = torch.where(verify_row >= 0, accepted[verify_row.clamp(min=0)], 0)  # [bs]
         src = base + moved  # [bs]
@@ -132,11 +117,6 @@ class DraftGraphs:
         positions = torch.where(drafting, static.positions[src], 0)  # [bs]
         table = torch.where(drafting[:, None], static.page_table[rows], DUMMY_PAGE)  # [bs, P]
         return self.draft(static, ids, self.graphs.output(key), src, positions, table, sampling)
-
-    def _sampling(self, bs: int, truncates: bool) -> DraftSampling:
-        """The stochastic graphs' sampling inputs for ``bs`` slots."""
-        return DraftSampling.in_buffers(self.sampling_floats[:6 * bs].view(6, bs),
-                                        self.sampling_longs[:3 * bs].view(3, bs), truncates)
 
     def _prefill_views(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
         T, bs = key.num_tokens, key.bs
@@ -158,18 +138,17 @@ class DraftGraphs:
                 return build(key, static, None)[0]
 
             def sampled(truncates: bool, key=key, static=static, build=build) -> torch.Tensor:
-                drafts, probs = build(key, static, self._sampling(key.bs, truncates))
+                drafts, probs = build(key, static, self.sampling.tensors(key.bs, truncates))
                 self.probs[:key.bs].copy_(probs)
                 return drafts
 
             with self.context.bind(static):
                 self.backend.plan(static, static=True)  # what the target's replay leaves for the first pass
-            # Greedy slots, so that warm-up and capture read valid parameters.
-            write_penalty_free_rows(self.sampling_floats, self.sampling_longs, [], key.bs)
             variants = [(greedy, self._graphs, key)]
             if key.bs <= MAX_STOCHASTIC_ROWS:
                 variants += [(partial(sampled, truncates), self._sampled, (key, truncates))
                              for truncates in (False, True)]
+                self.sampling.write([], key.bs)  # greedy slots: warm-up and capture read valid parameters
             for fn, graphs, at in variants:
                 fallbacks = self.backend.fallback_steps
                 warm_up_on_side_stream(fn)
@@ -235,7 +214,7 @@ class DraftGraphs:
             return self._graphs.get(key)
         captured = self._sampled.get((key, any(params.truncates for params, _, _ in sampling)))
         if captured is not None:
-            write_penalty_free_rows(self.sampling_floats, self.sampling_longs, sampling, key.bs)
+            self.sampling.write(sampling, key.bs)
         return captured
 
     def _replay(self, captured: _DraftGraph, rows: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from encore.engine.sampler import SamplingTensors, needs_token_history, processe
 from encore.engine.scheduler import ScheduledStep
 from encore.engine.spec.acceptance import DRAFT_SALT, Verdict, verify, verify_greedy
 from encore.engine.spec.config import SpecConfig
-from encore.engine.spec.draft_graphs import DraftGraphs, DraftSampling
+from encore.engine.spec.draft_graphs import DraftGraphs
 from encore.engine.spec.drafters import model_drafter
 from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
@@ -188,16 +188,12 @@ class Speculator:
         out (no caps) and each needs only its processed distribution (``plain_rows``): the greedy head
         where all are ``greedy``, else the stochastic verify head. The verdict is then in the heads'
         buffers, where the draft graph reads it (engine/head_graphs.py). False where none ran."""
-        runner = self.runner
         if caps is not None or not plain_rows(sampled):
             return False
         if greedy:
-            return runner.replay_head(batch)
-        if batch.mode is not ForwardMode.DECODE or runner.heads is None:
-            return False
+            return self.runner.replay_head(batch)
         rows = [(r.params, r.seed, r.num_output_tokens + j) for r in decodes for j in range(self.q_len)]
-        return runner.heads.run_sampled(runner.graphs.last_replayed, rows,
-                                        [self.draft_probs.get(r.request_id) for r in decodes])
+        return self.runner.replay_head(batch, rows, [self.draft_probs.get(r.request_id) for r in decodes])
 
     def _target_tensors(self, sampled: list[Request], n_plain: int, decodes: list[Request],
                         device: torch.device) -> SamplingTensors:
@@ -257,7 +253,8 @@ class Speculator:
                 return drafting, drafts
         self.drafter_eager_steps += 1
         te = len(shifted)
-        floats, longs = SamplingTensors.penalty_free_rows(sampling or [], len(drafting))
+        # The drafting rows' sampling parameters go in the same copy (their counters: prompt lengths).
+        floats, longs = SamplingTensors.penalty_free_rows(sampling, len(drafting)) if sampling else ([], [])
         shifted_d, fill_at_d, src_rows_d, floats_d, longs_d = upload(
             [(shifted, torch.long), (fill_at, torch.long), (src_rows, torch.long), (floats, torch.float32),
              (longs, torch.long)], device)
@@ -275,7 +272,7 @@ class Speculator:
         src_row = torch.cat([src_rows_d,
                              batch.num_extends + torch.arange(rows, device=device)])
         steps, page_table = self._draft_steps(batch.page_table[src_row])  # [D, P]
-        draft_sampling = None if sampling is None else DraftSampling.in_buffers(
+        draft_sampling = None if sampling is None else SamplingTensors.in_buffers(
             floats_d.view(6, -1), longs_d.view(3, -1), any(params.truncates for params, _, _ in sampling))
         drafts, probs = self._draft(batch, ids, hidden, src, batch.positions[src], page_table, draft_sampling,
                                     self.model_drafter.forward, steps)
@@ -290,7 +287,7 @@ class Speculator:
                 self.draft_probs[req.request_id] = probs[i]
 
     def _graph_draft(self, static: ForwardBatch, ids: torch.Tensor, hidden: torch.Tensor, src: torch.Tensor,
-                     positions: torch.Tensor, page_table: torch.Tensor, sampling: DraftSampling | None
+                     positions: torch.Tensor, page_table: torch.Tensor, sampling: SamplingTensors | None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft of a key's static step, as its draft graphs capture it (draft_graphs.py).
         The backend's plan for the step is already in place (made before the target's replay). The
@@ -310,11 +307,12 @@ class Speculator:
         return compiled, torch.nn.functional.pad(page_table, (0, width - page_table.shape[1]), value=DUMMY_PAGE)
 
     def _draft(self, batch: ForwardBatch, ids: torch.Tensor, target_hidden: torch.Tensor, src: torch.Tensor,
-               positions: torch.Tensor, page_table: torch.Tensor, sampling: DraftSampling | None, first: Callable,
+               positions: torch.Tensor, page_table: torch.Tensor, sampling: SamplingTensors | None, first: Callable,
                steps: Callable, plan_first: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafts [D, k] for the rows whose first-pass states sit at tokens ``src`` [D] of ``batch``,
-        at ``positions`` [D] (pages ``page_table`` [D, P]): the drafter's argmax, or with ``sampling``
-        each row's draw from its processed draft distribution, those distributions [D, k, V] returned too.
+        at ``positions`` [D] (pages ``page_table`` [D, P]): the drafter's argmax, or with ``sampling`` (the
+        rows' parameters, penalties off, counters holding their prompt lengths) each row's draw from its
+        processed draft distribution, those distributions [D, k, V] returned too.
         ``first`` runs the first drafter pass, ``steps`` each decode-only step after it."""
         drafter = self.model_drafter
         qs = []
@@ -323,7 +321,7 @@ class Speculator:
             if sampling is None:
                 return drafter.greedy(hidden)
             # The draft at ``positions`` + 2 is its request's output token of that index.
-            t = replace(sampling.tensors, counters=positions + 2 - sampling.prompt_lens)
+            t = replace(sampling, counters=positions + 2 - sampling.counters)
             q = processed_probs(drafter.logits(hidden), t)  # [D, V]
             qs.append(q)
             return torch.where(t.temperature == 0, q.argmax(dim=-1),

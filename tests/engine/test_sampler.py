@@ -12,6 +12,7 @@ import torch
 from encore.engine.sampler import (
     Sampler,
     SamplingTensors,
+    StaticSamplingRows,
     apply_penalties,
     processed_probs,
     sample_from_probs,
@@ -225,10 +226,11 @@ def test_filters_that_no_row_uses_are_skipped_with_the_same_result():
 @pytest.mark.parametrize("truncates", [False, True])
 def test_the_static_layout_reads_back_as_build_lays_rows_out(truncates):
     """The stochastic heads and draft graphs (engine/head_graphs.py) read their rows' parameters from
-    buffers laid out by ``penalty_free_rows`` through ``in_buffers``: the same distributions as
-    ``build``'s tensors bit for bit (min-p always applied; top-k and top-p only in the variant that
-    truncates, which serves steps where a row does), the same seeds and counters, and slots past the
-    rows greedy (one-hot at their argmax)."""
+    ``StaticSamplingRows``, laid out by ``penalty_free_rows`` and read through ``in_buffers``: the same
+    distributions as ``build``'s tensors bit for bit (min-p always applied; top-k and top-p only in the
+    variant that truncates, which serves steps where a row does), the same seeds and counters, and slots
+    past the rows greedy (one-hot at their argmax), also after a wider graph's rows filled the buffers.
+    More slots than the buffers hold is an error that names both."""
     gen = torch.Generator().manual_seed(7)
     params = [SamplingParams(temperature=0.7), SamplingParams(),
               SamplingParams(temperature=1.2, min_p=0.1), SamplingParams(temperature=0.0, top_p=0.5)]
@@ -237,9 +239,10 @@ def test_the_static_layout_reads_back_as_build_lays_rows_out(truncates):
     seeds, counters = [2**40 + 3, -5, 17, 0, 99][:len(params)], [0, 4, 9, 2, 31][:len(params)]
     slots = len(params) + 2
     logits = torch.randn(slots, 200, generator=gen) * 3
-    floats, longs = SamplingTensors.penalty_free_rows(list(zip(params, seeds, counters)), slots)
-    t = SamplingTensors.in_buffers(torch.tensor(floats).view(6, slots), torch.tensor(longs).view(3, slots),
-                                   truncates)
+    buffers = StaticSamplingRows(slots + 3, CPU)
+    buffers.write([(SamplingParams(temperature=0.5, top_p=0.3, min_p=0.2), 1, 1)] * (slots + 3), slots + 3)
+    buffers.write(list(zip(params, seeds, counters)), slots)
+    t = buffers.tensors(slots, truncates)
     want = _build(params, seeds=seeds, counters=counters)
     assert want.truncates == truncates
     got = processed_probs(logits, t)
@@ -248,6 +251,9 @@ def test_the_static_layout_reads_back_as_build_lays_rows_out(truncates):
     assert torch.equal(got[len(params):], greedy)
     assert t.seeds[:len(params)].tolist() == seeds and t.counters[:len(params)].tolist() == counters
     assert torch.equal(t.top_k[:len(params)], want.top_k) and torch.equal(t.top_p[:len(params)], want.top_p)
+    with pytest.raises(ValueError, match=f"in {slots + 4} slots: the buffers hold {slots + 3}"):
+        buffers.write([], slots + 4)
+
 
 def test_top_k_keeps_ties_and_off_values():
     row = [3.0, 2.0, 2.0, 1.0, 0.0]
