@@ -114,6 +114,22 @@ def test_sampled_speculative_steps_replay_graphs_with_the_eager_steps_tokens(met
     assert not spec.speculator.draft_probs and stats["kv_pages_free"] == stats["kv_pages_total"], stats
 
 
+
+def test_keys_past_the_stochastic_row_cap_capture_and_sample_eager():
+    """A verify key of more rows than head_graphs.MAX_STOCHASTIC_ROWS gets greedy graphs only (capture
+    once failed on it: the stochastic buffers are sized to the cap); sampled rows that run on it draft and
+    verify eager, counted in stats, and give the eager engine's tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
+    options = dict(dtype="float32", max_model_len=256, compile=False, max_num_seqs=96,
+                   speculative={"method": "mtp", "num_speculative_tokens": 2})
+    want = [o.token_ids for o in Engine(device="cuda", cuda_graphs=False, **options).generate(SPEC_PROMPTS, params)]
+    spec = Engine(device="cuda", cuda_graphs=True, graph_decode_sizes=(1, 96), graph_mixed_decode_sizes=(2,),
+                  graph_prefill_tokens=(128,), graph_extend_sizes=(1,), graph_mixed_extends=(1,), **options)
+    assert [o.token_ids for o in spec.generate(SPEC_PROMPTS, params)] == want
+    stats = spec.stats()
+    assert stats["graph_replays"] > 0 and stats["drafter_eager_steps"] > 0 and stats["verify_eager_steps"] > 0, stats
+    assert stats["kv_pages_free"] == stats["kv_pages_total"], stats
+
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     engine = Engine(str(v3_dir), device="cuda", dtype="float32", page_size=16, compile=False, cuda_graphs=False)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
