@@ -1,5 +1,5 @@
-"""The sampler's CUDA kernels: the seeded exponential race of ``sampler.sample_from_probs``, and the
-softmax of few wide rows.
+"""The sampler's CUDA kernels: the seeded exponential race of ``sampler.sample_from_probs``, the seeded
+uniforms of ``sampler.seeded_uniform`` (speculative acceptance's), and the softmax of few wide rows.
 
 *The race.* A sampled row's token is ``argmax(p / E)`` with ``E = -log(u)`` and ``u`` the counter-based hash
 ``sampler.seeded_uniform`` of (seed, counter, column, salt). In torch that hash is ~85 elementwise
@@ -12,6 +12,10 @@ score divides by ``-log(u)`` rounded as torch rounds (libdevice ``logf``, a corr
 and each program writes its chunk's maximum and the chunk's first column holding it; the argmax over
 the chunks picks the first chunk holding the row's maximum. Ties resolve to the lowest column, as
 ``torch.argmax`` does.
+
+*The uniforms.* The same hash, its ``u`` written out: ``seeded_uniform`` in one launch where torch
+takes ~55 (a verify step's acceptance test draws one uniform per draft; inside a stochastic head graph
+each of those launches was a node of the replay).
 
 *The softmax.* torch's softmax gives a row one thread block: 35 µs for one 102400-wide row on an H200,
 twice in a step that samples with top-p. Here a row is cut into chunks as the race cuts it: one
@@ -58,21 +62,44 @@ def _absorb(key1, key2, word):
     return _murmur3(key1 ^ word), _lowbias32(key2 ^ word)
 
 
+@triton.jit
+def _row_keys(SEEDS, COUNTERS, row, salt):
+    """The two 32-bit keys of ``row``: its seed, then its counter (each the low 32 bits, then the high),
+    then the salt, absorbed by both chains."""
+    seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
+    counter = tl.load(COUNTERS + row).to(tl.uint64, bitcast=True)
+    key1 = tl.full((), 0x243F6A88, tl.uint32)
+    key2 = tl.full((), 0x13198A2E, tl.uint32)
+    key1, key2 = _absorb(key1, key2, seed.to(tl.uint32))
+    key1, key2 = _absorb(key1, key2, (seed >> 32).to(tl.uint32))
+    key1, key2 = _absorb(key1, key2, counter.to(tl.uint32))
+    key1, key2 = _absorb(key1, key2, (counter >> 32).to(tl.uint32))
+    return _absorb(key1, key2, salt.to(tl.uint32))
+
+
+@triton.jit
+def _uniform(cols, key1, key2):
+    """``u`` of columns ``cols`` under the row keys: the top 23 bits of the keyed hash, (2k + 1) / 2**24."""
+    h = _murmur3(_lowbias32(cols.to(tl.uint32) ^ key1) ^ key2)
+    return ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["SEEDS", "COUNTERS", "OUT", "n", "salt"])
+def _uniform_kernel(SEEDS, COUNTERS, OUT, n, salt, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    key1, key2 = _row_keys(SEEDS, COUNTERS, row, salt)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + row.to(tl.int64) * n + cols, _uniform(cols, key1, key2), mask=cols < n)
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["PROBS", "stride", "SEEDS", "COUNTERS", "vocab", "width", "chunks", "salt"])
 def _race_kernel(PROBS, stride, SEEDS, COUNTERS, BEST, WHERE, vocab, width, chunks, salt, BLOCK: tl.constexpr,
                  LIBDEVICE: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
-    counter = tl.load(COUNTERS + row).to(tl.uint64, bitcast=True)
-    key1 = tl.full((), 0x243F6A88, tl.uint32)
-    key2 = tl.full((), 0x13198A2E, tl.uint32)
-    key1, key2 = _absorb(key1, key2, seed.to(tl.uint32))  # the low 32 bits, then the high
-    key1, key2 = _absorb(key1, key2, (seed >> 32).to(tl.uint32))
-    key1, key2 = _absorb(key1, key2, counter.to(tl.uint32))
-    key1, key2 = _absorb(key1, key2, (counter >> 32).to(tl.uint32))
-    key1, key2 = _absorb(key1, key2, salt.to(tl.uint32))
+    key1, key2 = _row_keys(SEEDS, COUNTERS, row, salt)
     start = chunk * width
     end = tl.minimum(start + width, vocab)
     best = tl.full((), -1.0, tl.float32)
@@ -81,8 +108,7 @@ def _race_kernel(PROBS, stride, SEEDS, COUNTERS, BEST, WHERE, vocab, width, chun
         cols = offset + tl.arange(0, BLOCK)
         valid = cols < end
         p = tl.load(PROBS + row.to(tl.int64) * stride + cols, mask=valid, other=0.0).to(tl.float32)
-        h = _murmur3(_lowbias32(cols.to(tl.uint32) ^ key1) ^ key2)
-        u = ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        u = _uniform(cols, key1, key2)
         if LIBDEVICE:  # CUDA's logf, which torch's log calls; the interpreter has no libdevice
             e = -libdevice.log(u)
         else:
@@ -181,8 +207,20 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.T
     return where.gather(1, best.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
+def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: int) -> torch.Tensor:
+    """seeds and counters [N] int64 (any stride) -> [N, n] float32, equal to ``seeded_uniform(seeds,
+    counters, n, salt)`` bit for bit, in one launch."""
+    seeds, counters = seeds.contiguous(), counters.contiguous()  # the kernel reads row r at offset r
+    out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)
+    if out.numel():
+        _uniform_kernel[(seeds.shape[0], triton.cdiv(n, BLOCK))](seeds, counters, out, n, salt & 0xFFFFFFFF,
+                                                                  BLOCK=BLOCK)
+    return out
+
+
 def warm_up(vocab: int, device: torch.device) -> None:
     """Compiles each kernel's one variant (nothing they are passed is specialized on: any rows,
-    vocabulary, alignment or salt run them), so that a first sampled step compiles none."""
+    vocabulary, alignment, width or salt run them), so that a first sampled step compiles none."""
     ids = torch.zeros(1, dtype=torch.int64, device=device)
     exponential_race(softmax_rows(torch.zeros(1, vocab, device=device)), ids, ids, 0)
+    seeded_uniforms(ids, ids, 1, 0)

@@ -256,7 +256,12 @@ def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: in
     ``murmur3(lowbias32(j ^ key1) ^ key2)``, a keyed two-round hash. All values stay below 2**32
     in int64 and products are split so none exceeds 2**63: no reliance on overflow wrapping.
     The top 23 bits give ``(2k + 1) / 2**24``, exact in float32 and strictly inside (0, 1).
+    On CUDA one kernel computes it (backends/sampling_triton.py), the same values bit for bit.
     """
+    if seeds.is_cuda:
+        from encore.backends.sampling_triton import seeded_uniforms  # triton is imported on first use
+
+        return seeded_uniforms(seeds, counters, n, salt)
     words = [seeds & _MASK32, (seeds >> 32) & _MASK32,
              counters & _MASK32, (counters >> 32) & _MASK32, salt & _MASK32]
     key1, key2 = (seeds.new_full(seeds.shape, 0x243F6A88), seeds.new_full(seeds.shape, 0x13198A2E))

@@ -1,9 +1,10 @@
 """The sampler's kernels (backends/sampling_triton.py) against the torch formulations they replace on CUDA.
 The exponential race: the same token for every row, bit for bit in the draw, over vocabularies that do
 and do not fill whole blocks and chunks, extreme seeds and counters, salts, ties and zero
-probabilities. The softmax of few wide rows: torch's softmax within float32 rounding, -inf entries and
-all -inf rows included. Without CUDA the kernels run in Triton's interpreter (``triton_interpreter.py``);
-``-m gpu`` runs them compiled, at V2-Lite's vocabulary and in bfloat16."""
+probabilities. The uniforms: the torch hash's values bit for bit. The softmax of few wide rows:
+torch's softmax within float32 rounding, -inf entries and all -inf rows included. Without CUDA the
+kernels run in Triton's interpreter (``triton_interpreter.py``); ``-m gpu`` runs them compiled, at
+V2-Lite's vocabulary and in bfloat16."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ import torch
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
 from encore.backends.argmax import argmax_rows
-from encore.backends.sampling_triton import exponential_race, softmax_rows, split
+from encore.backends.sampling_triton import exponential_race, seeded_uniforms, softmax_rows, split
 from encore.engine.sampler import seeded_uniform
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def torch_uniform(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: int) -> torch.Tensor:
+    """The torch hash ``sampler.seeded_uniform`` runs off CUDA (computed on the CPU, on CUDA it is the kernel's)."""
+    return seeded_uniform(seeds.cpu(), counters.cpu(), n, salt).to(seeds.device)
+
+
 def reference(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, salt: int) -> torch.Tensor:
     """The torch race ``sampler.sample_from_probs`` runs off CUDA."""
-    u = seeded_uniform(seeds, counters, probs.shape[1], salt)
+    u = torch_uniform(seeds, counters, probs.shape[1], salt)
     return argmax_rows(probs.float() / -torch.log(u))
 
 
@@ -60,6 +66,22 @@ def test_strided_seeds_and_counters_are_read_row_by_row():
     spread = [torch.zeros(12, dtype=torch.int64, device=DEVICE) for _ in range(2)]
     spread[0][::3], spread[1][::3] = seeds, counters
     assert torch.equal(exponential_race(probs, spread[0][::3], spread[1][::3], 0), reference(probs, seeds, counters, 0))
+
+
+@in_process
+@pytest.mark.parametrize("rows, n", [(6, 1), (3, 3), (2, 2500), (1, 1024)])
+@pytest.mark.parametrize("salt", [1, 0xFFFFFFFF + 5])
+def test_uniforms_are_the_torch_hash_bit_for_bit(rows, n, salt):
+    """One launch for ``seeded_uniform``: every value equal to the torch hash's, whole and partial blocks
+    of columns, extreme seeds and counters, strided rows, a salt past 32 bits (its low 32 are used)."""
+    _, seeds, counters = draw_inputs(rows, 8, seed=rows * 7 + n)
+    seeds[0], counters[0] = -2**63, 2**63 - 1
+    got = seeded_uniforms(seeds, counters, n, salt)
+    want = torch_uniform(seeds, counters, n, salt)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert torch.equal(got, want)
+    spread = torch.stack([seeds, counters, seeds]).t()  # [rows, 3]: rows of each column 3 apart
+    assert torch.equal(seeded_uniforms(spread[:, 0], spread[:, 1], n, salt), want)
 
 
 @in_process
