@@ -124,7 +124,7 @@ def _race_kernel(PROBS, stride, SEEDS, COUNTERS, BEST, WHERE, vocab, width, chun
 
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["X", "stride", "vocab", "width"])
-def _softmax_stats_kernel(X, stride, MAX, SUM, vocab, width, BLOCK: tl.constexpr):
+def _softmax_stats_kernel(X, stride, MAX, SUM, FINITE_MIN, vocab, width, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -132,6 +132,7 @@ def _softmax_stats_kernel(X, stride, MAX, SUM, vocab, width, BLOCK: tl.constexpr
     end = tl.minimum(start + width, vocab)
     m = tl.full((), float("-inf"), tl.float32)
     total = tl.full((), 0.0, tl.float32)
+    smallest = tl.full((), float("inf"), tl.float32)
     for offset in range(start, end, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
         x = tl.load(X + row.to(tl.int64) * stride + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
@@ -139,8 +140,10 @@ def _softmax_stats_kernel(X, stride, MAX, SUM, vocab, width, BLOCK: tl.constexpr
         shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # an all -inf block adds 0, not NaN
         total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = new_m
+        smallest = tl.minimum(smallest, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
     tl.store(MAX + row * chunks + chunk, m)
     tl.store(SUM + row * chunks + chunk, total)
+    tl.store(FINITE_MIN + row * chunks + chunk, smallest)  # the truncation's (backends/truncation_triton.py)
 
 
 @kernel_variants.watched
@@ -173,8 +176,10 @@ def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     if rows:
         # Two allocations, not views of one: a view's offset would change the pointer's alignment,
         # which Triton specializes on (a variant compiled while serving).
-        maxima, sums = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device) for _ in range(2))
-        _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, vocab, width, BLOCK=BLOCK)
+        maxima, sums, finite_minima = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+                                       for _ in range(3))
+        _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, finite_minima, vocab, width,
+                                              BLOCK=BLOCK)
         _softmax_write_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, out, vocab, width, chunks,
                                               BLOCK=BLOCK, BLOCK_C=_PROGRAMS)  # chunks <= _PROGRAMS
     return out

@@ -52,8 +52,9 @@ class SamplingTensors:
     ``output_tokens`` only when some row uses any penalty; both are padded with -1.
     ``counters`` is the index of the token being sampled within its request (0 for the first
     output token). ``max_logprobs`` is the largest top-n requested (None: no row wants logprobs).
-    ``truncates``: some stochastic row has top-k or top-p on; ``uses_min_p``: some stochastic row has
-    min-p on (off, ``_filtered_probs`` skips that filter's ops, whose result would be the same).
+    ``truncates``: some stochastic row has top-k or top-p on; ``uses_top_k``: some has top-k on;
+    ``uses_min_p``: some stochastic row has min-p on (off, ``_filtered_probs`` skips that filter's ops,
+    whose result would be the same).
     """
 
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
@@ -70,6 +71,7 @@ class SamplingTensors:
     max_logprobs: int | None
     all_greedy: bool
     truncates: bool
+    uses_top_k: bool
     uses_min_p: bool
 
     @classmethod
@@ -114,6 +116,7 @@ class SamplingTensors:
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
             truncates=any(p.truncates for p in params),
+            uses_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             uses_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         )
 
@@ -140,7 +143,7 @@ class SamplingTensors:
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
                    presence_penalty=floats[4], frequency_penalty=floats[5], seeds=longs[0], counters=longs[1],
                    top_k=longs[2], prompt_tokens=None, output_tokens=None, max_logprobs=None, all_greedy=False,
-                   truncates=truncates, uses_min_p=True)
+                   truncates=truncates, uses_top_k=truncates, uses_min_p=True)
 
 
 class StaticSamplingRows:
@@ -277,33 +280,38 @@ def _filtered_probs(penalized: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     """Temperature, then top-k, top-p and min-p on penalized logits; [N, V] float32, renormalized.
 
     Greedy rows are scaled by temperature 1 here (their result is replaced by the caller). Without a
-    row that truncates, the top-k / top-p block would keep every token: it is skipped, and with it a
-    sort of the vocabulary (34 µs of a bs-1 V2-Lite step on an H200); likewise min-p's ops.
+    row that truncates, the top-k / top-p block would keep every token: it is skipped (on CUDA its
+    threshold search, elsewhere a sort of the vocabulary); likewise min-p's ops.
     """
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)  # [N]
     x = penalized / temperature[:, None]  # [N, V]
-    if t.truncates:
-        x = _truncated(x, t)
+    if t.truncates and x.is_cuda:
+        from encore.backends.truncation_triton import truncation_thresholds  # triton is imported on first use
+
+        x = x.masked_fill(x < truncation_thresholds(x, t.top_k, t.top_p, t.uses_top_k)[:, None], float("-inf"))
+    elif t.truncates:
+        x = truncated_by_sort(x, t.top_k, t.top_p)
     probs = _softmax(x)  # [N, V]
     if t.uses_min_p:
         probs = probs * (probs >= t.min_p[:, None] * probs.amax(dim=-1, keepdim=True))
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _truncated(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def truncated_by_sort(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k, then top-p on the renormalized top-k distribution: ``x`` [N, V] with every token a row
-    drops set to -inf."""
+    drops set to -inf, through a sort of each row (on CUDA ``backends/truncation_triton.py`` finds each
+    row's threshold without one)."""
     vocab = x.shape[1]
     sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
 
-    k = t.top_k  # [N]
+    k = top_k  # [N]
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
     in_top_k = sorted_x >= kth  # [N, V] ties with the k-th logit are kept
 
     sorted_probs = _softmax(sorted_x.masked_fill(~in_top_k, float("-inf")))  # [N, V]
     mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [N, V] exclusive, monotone
-    top_p = t.top_p[:, None]  # [N, 1]
+    top_p = top_p[:, None]  # [N, 1]
     in_top_p = in_top_k & ((mass_before < top_p) | (top_p >= 1.0))  # [N, V] a prefix, never empty
     last = sorted_x.gather(1, in_top_p.sum(dim=-1, keepdim=True) - 1)  # [N, 1]
     return x.masked_fill(x < last, float("-inf"))  # ties with the last kept logit are kept

@@ -55,13 +55,14 @@ engine = Engine(device="cuda", max_num_seqs=64, num_kv_pages=4096, compile=False
                 on_progress=progress.append, **{"dtype": "float32", **json.loads(sys.argv[1])})
 start = engine.stats()
 greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, ignore_eos=True)  # the sampler's race kernel
+sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, ignore_eos=True)  # the race, top-p's search
+top_k = SamplingParams(max_tokens=5, temperature=0.8, top_k=20, ignore_eos=True)  # top-k's search too
 n = 0
 for sizes in ((20, 30, 14), (7, 45, 12), (64,), (3, 5, 9), (1,)):
     for size in sizes:  # arrivals between steps: EXTEND, then MIXED steps of many prefill rows
         for _ in range(size):
             length = 1500 if size == 1 else 1 + (13 * n) % 60  # the last round: one long row
-            engine.add_request(f"r{n}", [3 + (7 * n + j) % 200 for j in range(length)], (greedy, sampled)[n % 2])
+            engine.add_request(f"r{n}", [3 + (7 * n + j) % 200 for j in range(length)], (greedy, sampled, top_k)[n % 3])
             n += 1
         engine.step()
     while engine.has_unfinished_requests():
