@@ -53,11 +53,15 @@ def test_ties_with_the_threshold_are_kept():
 
 @in_process
 def test_minus_inf_logits_take_no_part():
-    """A third of each row masked to -inf (a grammar's mask), top-k past the finite logits included."""
-    x = logits(5, 3000, seed=2)
+    """A third of each row masked to -inf (a grammar's mask), top-k past the finite logits included; a
+    row with one finite logit, and one with none (the search ends; softmax then makes it NaN, as torch's)."""
+    x = logits(7, 3000, seed=2)
     x[:, ::3] = float("-inf")
-    got, want = kept(x, [0, 2000, 1, 1500, 0], [0.99, 0.95, 0.3, 1.0, 0.999])
+    x[5:] = float("-inf")
+    x[5, 1] = 2.0
+    got, want = kept(x, [0, 2000, 1, 1500, 0, 3, 5], [0.99, 0.95, 0.3, 1.0, 0.999, 0.5, 0.9])
     assert torch.equal(got, want)
+    assert (got[5] > float("-inf")).sum() == 1
 
 
 @in_process
