@@ -146,17 +146,25 @@ def _softmax_stats_kernel(X, stride, MAX, SUM, FINITE_MIN, vocab, width, BLOCK: 
     tl.store(FINITE_MIN + row * chunks + chunk, smallest)  # the truncation's (backends/truncation_triton.py)
 
 
+@triton.jit
+def _row_max_sum(MAX, SUM, row, chunks, BLOCK_C: tl.constexpr):
+    """The row's maximum and sum of ``exp(x - max)``, from its chunks' (-inf and 0 for a row of -inf
+    only: its softmax is then NaN, as torch's)."""
+    parts = tl.arange(0, BLOCK_C)
+    m_parts = tl.load(MAX + row * chunks + parts, mask=parts < chunks, other=float("-inf"))
+    m = tl.max(m_parts, axis=0)
+    total = tl.sum(tl.load(SUM + row * chunks + parts, mask=parts < chunks, other=0.0)
+                   * tl.exp(m_parts - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    return m, total
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["X", "stride", "OUT", "vocab", "width", "chunks"])
 def _softmax_write_kernel(X, stride, MAX, SUM, OUT, vocab, width, chunks, BLOCK: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    parts = tl.arange(0, BLOCK_C)
-    m_parts = tl.load(MAX + row * chunks + parts, mask=parts < chunks, other=float("-inf"))
-    m = tl.max(m_parts, axis=0)  # -inf for a row of -inf only: its outputs are NaN, as torch's
-    total = tl.sum(tl.load(SUM + row * chunks + parts, mask=parts < chunks, other=0.0)
-                   * tl.exp(m_parts - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    m, total = _row_max_sum(MAX, SUM, row, chunks, BLOCK_C)
     start = chunk * width
     end = tl.minimum(start + width, vocab)
     for offset in range(start, end, BLOCK):
@@ -166,20 +174,26 @@ def _softmax_write_kernel(X, stride, MAX, SUM, OUT, vocab, width, chunks, BLOCK:
         tl.store(OUT + row.to(tl.int64) * vocab + cols, tl.exp(x - m) / total, mask=valid)
 
 
+def _chunk_stats(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Each chunk's (maximum, sum of exponentials, smallest finite value) of x [N, V] (N >= 1), and
+    (chunks, width)."""
+    rows, vocab = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"{name} reads rows of contiguous columns; x has strides {x.stride()}")
+    chunks, width = split(rows, vocab)
+    # Separate allocations, not views of one: a view's offset would change the pointer's alignment,
+    # which Triton specializes on (a variant compiled while serving).
+    maxima, sums, finite_minima = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device) for _ in range(3))
+    _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, finite_minima, vocab, width, BLOCK=BLOCK)
+    return maxima, sums, finite_minima, chunks, width
+
+
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [N, V] (rows of contiguous columns) -> softmax over each row, [N, V] float32."""
     rows, vocab = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"softmax_rows reads rows of contiguous columns; x has strides {x.stride()}")
-    chunks, width = split(rows, vocab)
     out = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
     if rows:
-        # Two allocations, not views of one: a view's offset would change the pointer's alignment,
-        # which Triton specializes on (a variant compiled while serving).
-        maxima, sums, finite_minima = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
-                                       for _ in range(3))
-        _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, finite_minima, vocab, width,
-                                              BLOCK=BLOCK)
+        maxima, sums, _, chunks, width = _chunk_stats(x, "softmax_rows")
         _softmax_write_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, out, vocab, width, chunks,
                                               BLOCK=BLOCK, BLOCK_C=_PROGRAMS)  # chunks <= _PROGRAMS
     return out

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
-from encore.backends.sampling_triton import _PROGRAMS, BLOCK, _softmax_stats_kernel, split
+from encore.backends.sampling_triton import _PROGRAMS, _chunk_stats, _row_max_sum
 
 NBINS = 16  # bins a bracket is cut into, each round
 TILE = 256  # columns a binning step
@@ -58,11 +58,8 @@ def _value(key):
 @triton.jit
 def _row_stats(MAXP, SUMP, FMINP, row, chunks, BLOCK_C: tl.constexpr):
     """The row's maximum, its sum of ``exp(x - max)`` and its smallest finite logit, from the chunks'."""
+    m, z = _row_max_sum(MAXP, SUMP, row, chunks, BLOCK_C)
     parts = tl.arange(0, BLOCK_C)
-    m_parts = tl.load(MAXP + row * chunks + parts, mask=parts < chunks, other=float("-inf"))
-    m = tl.max(m_parts, axis=0)
-    z = tl.sum(tl.load(SUMP + row * chunks + parts, mask=parts < chunks, other=0.0)
-               * tl.exp(m_parts - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     fmin = tl.min(tl.load(FMINP + row * chunks + parts, mask=parts < chunks, other=float("inf")), axis=0)
     return m, z, fmin
 
@@ -302,18 +299,16 @@ def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     ``sampler.truncated_by_sort`` would. ``uses_top_k``: whether any row may have top-k on (else its
     phase is not launched)."""
     rows, vocab = x.shape
-    if x.stride(1) != 1 or x.dtype != torch.float32:
-        raise ValueError(f"truncation_thresholds reads float32 rows of contiguous columns; x is {x.dtype} "
-                         f"with strides {x.stride()}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"truncation_thresholds reads float32 logits; x is {x.dtype}")
     device = x.device
     tau = torch.empty(rows, dtype=torch.float32, device=device)
     if not rows:
         return tau
-    chunks, width = split(rows, vocab)
+    maxima, sums, finite_minima, chunks, width = _chunk_stats(x, "truncation_thresholds")
     top_k, top_p = top_k.contiguous(), top_p.contiguous()  # the kernels read row r at offset r
     # Separate allocations, not views of one: a view's offset would change the pointers' alignment,
     # which Triton specializes on (a variant compiled while serving).
-    maxima, sums, finite_minima = (torch.empty(rows, chunks, dtype=torch.float32, device=device) for _ in range(3))
     kth, kept_mass = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(2))
     records = 2 * _ROUNDS.value
     edges = torch.empty(records, rows, NBINS + 1, dtype=torch.int32, device=device)
@@ -324,7 +319,6 @@ def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     compact = torch.empty(rows, vocab, dtype=torch.float32, device=device)
     bracket = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
     bracket_mass = torch.empty(2, rows, dtype=torch.float32, device=device)
-    _softmax_stats_kernel[(rows, chunks)](x, x.stride(0), maxima, sums, finite_minima, vocab, width, BLOCK=BLOCK)
     stats = (maxima, sums, finite_minima, kth, kept_mass)
     shape = dict(NBINS=NBINS, TILE=TILE, BLOCK_C=_PROGRAMS)  # chunks <= _PROGRAMS
     for phase in (0, 1) if uses_top_k else (1,):
