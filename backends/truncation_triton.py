@@ -292,24 +292,23 @@ def _finish_kernel(K, P, MAXP, SUMP, FMINP, KTH, ZK, TAU, COMPACT, BRACKET, BRAC
         tl.store(TAU + row, threshold)
 
 
-def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uses_top_k: bool
-                          ) -> torch.Tensor:
+def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uses_top_k: bool,
+                          uses_top_p: bool) -> torch.Tensor:
     """x [N, V] float32 logits (rows of contiguous columns), top_k [N] int64 (<= 0 or >= V: off),
     top_p [N] float32 (>= 1: off) -> [N] float32: each row keeps ``x >= tau``, as
-    ``sampler.truncated_by_sort`` would. ``uses_top_k``: whether any row may have top-k on (else its
-    phase is not launched)."""
+    ``sampler.truncated_by_sort`` would. ``uses_top_k`` / ``uses_top_p``: whether any row may have that
+    filter on; a phase no row needs is not launched (its filter is then off in every row)."""
     rows, vocab = x.shape
     if x.dtype != torch.float32:
         raise ValueError(f"truncation_thresholds reads float32 logits; x is {x.dtype}")
     device = x.device
-    tau = torch.empty(rows, dtype=torch.float32, device=device)
-    if not rows:
-        return tau
+    if not rows or not (uses_top_k or uses_top_p):
+        return torch.full((rows,), float("-inf"), device=device)  # every token kept
     maxima, sums, finite_minima, chunks, width = _chunk_stats(x, "truncation_thresholds")
     top_k, top_p = top_k.contiguous(), top_p.contiguous()  # the kernels read row r at offset r
     # Separate allocations, not views of one: a view's offset would change the pointers' alignment,
     # which Triton specializes on (a variant compiled while serving).
-    kth, kept_mass = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(2))
+    tau, kth, kept_mass = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
     records = 2 * _ROUNDS.value
     edges = torch.empty(records, rows, NBINS + 1, dtype=torch.int32, device=device)
     above_count = torch.empty(records, rows, dtype=torch.int32, device=device)
@@ -321,7 +320,7 @@ def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     bracket_mass = torch.empty(2, rows, dtype=torch.float32, device=device)
     stats = (maxima, sums, finite_minima, kth, kept_mass)
     shape = dict(NBINS=NBINS, TILE=TILE, BLOCK_C=_PROGRAMS)  # chunks <= _PROGRAMS
-    for phase in (0, 1) if uses_top_k else (1,):
+    for phase in [0] * uses_top_k + [1] * uses_top_p:
         flags = dict(PHASE=phase, TOP_K=uses_top_k, **shape)
         for round_ in range(_ROUNDS.value):
             _round_kernel[(rows, chunks)](x, x.stride(0), top_k, top_p, *stats, edges, above_count, above_mass,
@@ -331,7 +330,7 @@ def truncation_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
                                         **flags)
         _finish_kernel[(rows,)](top_k, top_p, *stats, tau, compact, bracket, bracket_mass, vocab, rows, chunks,
                                 **flags)
-    return tau
+    return tau if uses_top_p else kth  # top-k's phase alone: its threshold
 
 
 def warm_up(vocab: int, device: torch.device) -> None:
@@ -339,4 +338,4 @@ def warm_up(vocab: int, device: torch.device) -> None:
     x = torch.zeros(1, vocab, device=device)
     for uses_top_k in (False, True):
         truncation_thresholds(x, torch.ones(1, dtype=torch.int64, device=device),
-                              torch.full((1,), 0.5, device=device), uses_top_k)
+                              torch.full((1,), 0.5, device=device), uses_top_k, True)

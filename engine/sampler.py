@@ -52,7 +52,8 @@ class SamplingTensors:
     ``output_tokens`` only when some row uses any penalty; both are padded with -1.
     ``counters`` is the index of the token being sampled within its request (0 for the first
     output token). ``max_logprobs`` is the largest top-n requested (None: no row wants logprobs).
-    ``truncates``: some stochastic row has top-k or top-p on; ``uses_top_k``: some has top-k on;
+    ``truncates``: some stochastic row has top-k or top-p on; ``uses_top_k`` / ``uses_top_p``: some has
+    that one on;
     ``uses_min_p``: some stochastic row has min-p on (off, ``_filtered_probs`` skips that filter's ops,
     whose result would be the same).
     """
@@ -72,6 +73,7 @@ class SamplingTensors:
     all_greedy: bool
     truncates: bool
     uses_top_k: bool
+    uses_top_p: bool
     uses_min_p: bool
 
     @classmethod
@@ -117,6 +119,7 @@ class SamplingTensors:
             all_greedy=all(p.greedy for p in params),
             truncates=any(p.truncates for p in params),
             uses_top_k=any(not p.greedy and p.top_k > 0 for p in params),
+            uses_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
             uses_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         )
 
@@ -143,7 +146,7 @@ class SamplingTensors:
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
                    presence_penalty=floats[4], frequency_penalty=floats[5], seeds=longs[0], counters=longs[1],
                    top_k=longs[2], prompt_tokens=None, output_tokens=None, max_logprobs=None, all_greedy=False,
-                   truncates=truncates, uses_top_k=truncates, uses_min_p=True)
+                   truncates=truncates, uses_top_k=truncates, uses_top_p=truncates, uses_min_p=True)
 
 
 class StaticSamplingRows:
@@ -288,7 +291,8 @@ def _filtered_probs(penalized: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     if t.truncates and x.is_cuda:
         from encore.backends.truncation_triton import truncation_thresholds  # triton is imported on first use
 
-        x = x.masked_fill(x < truncation_thresholds(x, t.top_k, t.top_p, t.uses_top_k)[:, None], float("-inf"))
+        tau = truncation_thresholds(x, t.top_k, t.top_p, t.uses_top_k, t.uses_top_p)  # [N]
+        x = x.masked_fill(x < tau[:, None], float("-inf"))
     elif t.truncates:
         x = truncated_by_sort(x, t.top_k, t.top_p)
     probs = _softmax(x)  # [N, V]

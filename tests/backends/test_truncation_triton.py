@@ -16,11 +16,11 @@ from encore.engine.sampler import truncated_by_sort
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def kept(x: torch.Tensor, top_k: list[int], top_p: list[float], uses_top_k: bool = True):
+def kept(x: torch.Tensor, top_k: list[int], top_p: list[float], uses_top_k: bool = True, uses_top_p: bool = True):
     """(the kernels' truncated logits, the sort's) for rows ``x`` [N, V] and their filters."""
     k = torch.tensor(top_k, dtype=torch.int64, device=DEVICE)
     p = torch.tensor(top_p, dtype=torch.float32, device=DEVICE)
-    tau = truncation_thresholds(x, k, p, uses_top_k)
+    tau = truncation_thresholds(x, k, p, uses_top_k, uses_top_p)
     assert tau.shape == (x.shape[0],) and tau.dtype == torch.float32
     return x.masked_fill(x < tau[:, None], float("-inf")), truncated_by_sort(x, k, p)
 
@@ -31,7 +31,7 @@ def logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor
 
 
 @in_process
-@pytest.mark.parametrize("vocab", [300, 5000])  # one chunk a row; five chunks, each several tiles
+@pytest.mark.parametrize("vocab", [7, 300, 5000])  # one chunk a row, part of a tile or more; five chunks
 def test_keeps_the_sorts_tokens(vocab):
     x = logits(7, vocab, seed=vocab)
     top_k = [0, 50, 1, vocab, 7, vocab + 9, -1]
@@ -71,13 +71,17 @@ def test_flat_rows_keep_every_token():
 
 
 @in_process
-def test_without_the_top_k_phase_top_p_alone():
-    """``uses_top_k=False`` launches only top-p's phase: rows' top-k are then ignored (the caller
-    passes it when no row has top-k on)."""
+def test_a_phase_no_row_needs_is_not_launched():
+    """``uses_top_k=False`` launches only top-p's phase, ``uses_top_p=False`` only top-k's, neither
+    none (the caller passes them from its rows' filters: the filter is then off in every row)."""
     x = logits(3, 4000, seed=3, scale=0.5)
     got, want = kept(x, [0, 0, 0], [0.9, 0.3, 1.0], uses_top_k=False)
-    assert torch.equal(got, want)
-    assert (got[2] > float("-inf")).all()
+    assert torch.equal(got, want) and (got[2] > float("-inf")).all()
+    got, want = kept(x, [10, 0, 2500], [1.0, 1.0, 1.0], uses_top_p=False)
+    assert torch.equal(got, want) and (got[0] > float("-inf")).sum() == 10
+    none = truncation_thresholds(x, torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.ones(3, device=DEVICE),
+                                 False, False)
+    assert torch.equal(none, torch.full((3,), float("-inf"), device=DEVICE))
 
 
 @in_process
@@ -85,7 +89,7 @@ def test_the_same_thresholds_on_every_run():
     x = logits(4, 3000, seed=4, scale=0.3)
     k = torch.tensor([0, 100, 0, 5], device=DEVICE)
     p = torch.tensor([0.9, 0.7, 0.95, 1.0], device=DEVICE)
-    assert torch.equal(truncation_thresholds(x, k, p, True), truncation_thresholds(x, k, p, True))
+    assert torch.equal(truncation_thresholds(x, k, p, True, True), truncation_thresholds(x, k, p, True, True))
 
 
 @in_process
@@ -93,9 +97,9 @@ def test_rows_must_be_contiguous_float32():
     x = logits(4, 64, seed=5)
     k, p = torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.full((4,), 0.5, device=DEVICE)
     with pytest.raises(ValueError, match="contiguous columns; x has strides"):
-        truncation_thresholds(x.t(), k, p, True)
+        truncation_thresholds(x.t(), k, p, True, True)
     with pytest.raises(ValueError, match="float32 logits; x is torch.float16"):
-        truncation_thresholds(x.half(), k, p, True)
+        truncation_thresholds(x.half(), k, p, True, True)
 
 
 def assert_cuts_in_float64(x: torch.Tensor, top_k: list[int], top_p: list[float], tau: torch.Tensor) -> None:
@@ -133,7 +137,8 @@ def test_cuts_where_float64_does_on_cuda(rows, scale):
     top_p = (torch.rand(rows, generator=gen) * 1.2).clamp(0.01, 1.0).tolist()
     for uses_top_k in (True, False):
         k = top_k if uses_top_k else [0] * rows
-        tau = truncation_thresholds(x, torch.tensor(k, device=DEVICE), torch.tensor(top_p, device=DEVICE), uses_top_k)
+        tau = truncation_thresholds(x, torch.tensor(k, device=DEVICE), torch.tensor(top_p, device=DEVICE), uses_top_k,
+                                    True)
         assert_cuts_in_float64(x, k, top_p, tau)
 
 
