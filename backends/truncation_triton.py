@@ -56,15 +56,6 @@ def _value(key):
 
 
 @triton.jit
-def _row_stats(MAXP, SUMP, FMINP, row, chunks, BLOCK_C: tl.constexpr):
-    """The row's maximum, its sum of ``exp(x - max)`` and its smallest finite logit, from the chunks'."""
-    m, z = _row_max_sum(MAXP, SUMP, row, chunks, BLOCK_C)
-    parts = tl.arange(0, BLOCK_C)
-    fmin = tl.min(tl.load(FMINP + row * chunks + parts, mask=parts < chunks, other=float("inf")), axis=0)
-    return m, z, fmin
-
-
-@triton.jit
 def _edges(lo, base, top, top_key, NBINS: tl.constexpr):
     """Lower edges (keys) of NBINS bins of a bracket starting at key ``lo``: the first is ``lo``, the
     others evenly spaced in value from ``base`` towards ``top`` (finite), each past ``lo`` and none
@@ -103,10 +94,8 @@ def _pick(counts, masses, above_count, above_mass, edges, hi, k, target, BY_COUN
 
 
 @triton.jit
-def _bin_tile(x, valid, m, lo, hi, edges, counts, masses):
-    """Adds a tile's valid logits in [lo, hi) to the per-edge counts and masses [TILE, NBINS]."""
-    key = _key(x)
-    inside = valid & (key >= lo) & (key < hi)
+def _bin_tile(x, key, inside, m, edges, counts, masses):
+    """Adds a tile's logits ``inside`` the bracket to the per-edge counts and masses [TILE, NBINS]."""
     at_or_above = inside[:, None] & (key[:, None] >= edges[None, :])
     counts += at_or_above.to(tl.int32)
     masses += tl.where(at_or_above, tl.exp(x - m)[:, None], 0.0)
@@ -114,9 +103,14 @@ def _bin_tile(x, valid, m, lo, hi, edges, counts, masses):
 
 
 @triton.jit
-def _phase_row(K, P, KTH, ZK, row, vocab, z, BY_COUNT: tl.constexpr, TOP_K: tl.constexpr):
-    """A row's part in a phase: whether it runs it, its bracket's first key, and its target (k, or the
+def _phase_row(MAXP, SUMP, FMINP, K, P, KTH, ZK, row, vocab, chunks, BY_COUNT: tl.constexpr, TOP_K: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """A row's part in a phase: its maximum, sum of ``exp(x - max)`` and smallest finite logit (from
+    the chunks'), whether it runs the phase, its bracket's first key, its k, and its target (k, or the
     mass top-p keeps of the top-k distribution)."""
+    m, z = _row_max_sum(MAXP, SUMP, row, chunks, BLOCK_C)
+    parts = tl.arange(0, BLOCK_C)
+    fmin = tl.min(tl.load(FMINP + row * chunks + parts, mask=parts < chunks, other=float("inf")), axis=0)
     k = tl.load(K + row)
     p = tl.load(P + row)
     if BY_COUNT:
@@ -131,7 +125,16 @@ def _phase_row(K, P, KTH, ZK, row, vocab, z, BY_COUNT: tl.constexpr, TOP_K: tl.c
         else:
             first = _key(tl.full((), float("-inf"), tl.float32))
             target = p * z
-    return active, first, k.to(tl.int32), target
+    return m, z, fmin, active, first, k.to(tl.int32), target
+
+
+@triton.jit
+def _tile(X, stride, row, offset, end, TILE: tl.constexpr):
+    """Columns ``offset`` .. + TILE of row ``row`` (those before ``end`` valid): (valid, logits, keys)."""
+    cols = offset + tl.arange(0, TILE)
+    valid = cols < end
+    x = tl.load(X + row.to(tl.int64) * stride + cols, mask=valid, other=float("-inf"))
+    return valid, x, _key(x)
 
 
 @triton.jit
@@ -160,8 +163,8 @@ def _round_kernel(X, stride, K, P, MAXP, SUMP, FMINP, KTH, ZK, EDGES, ABOVE_C, A
                   NBINS: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    m, z, fmin = _row_stats(MAXP, SUMP, FMINP, row, chunks, BLOCK_C)
-    active, lo, k, target = _phase_row(K, P, KTH, ZK, row, vocab, z, PHASE == 0, TOP_K)
+    m, z, fmin, active, lo, k, target = _phase_row(MAXP, SUMP, FMINP, K, P, KTH, ZK, row, vocab, chunks, PHASE == 0,
+                                                   TOP_K, BLOCK_C)
     if active:
         record = PHASE * _ROUNDS + ROUND
         if ROUND == 0:
@@ -187,11 +190,10 @@ def _round_kernel(X, stride, K, P, MAXP, SUMP, FMINP, KTH, ZK, EDGES, ABOVE_C, A
         start = chunk * width
         end = tl.minimum(start + width, vocab)
         for offset in range(start, end, TILE):
-            cols = offset + tl.arange(0, TILE)
-            x = tl.load(X + row.to(tl.int64) * stride + cols, mask=cols < end, other=float("-inf"))
-            key = _key(x)
-            if tl.sum(((cols < end) & (key >= lo) & (key < hi)).to(tl.int32), axis=0) > 0:  # else skipped
-                counts, masses = _bin_tile(x, cols < end, m, lo, hi, edges, counts, masses)
+            valid, x, key = _tile(X, stride, row, offset, end, TILE)
+            inside = valid & (key >= lo) & (key < hi)
+            if tl.sum(inside.to(tl.int32), axis=0) > 0:  # else skipped
+                counts, masses = _bin_tile(x, key, inside, m, edges, counts, masses)
         out = (at * chunks + chunk) * NBINS + j
         tl.store(PC + out, tl.sum(counts, axis=0))
         tl.store(PM + out, tl.sum(masses, axis=0))
@@ -204,8 +206,8 @@ def _compact_kernel(X, stride, K, P, MAXP, SUMP, FMINP, KTH, ZK, EDGES, ABOVE_C,
                     NBINS: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    m, z, fmin = _row_stats(MAXP, SUMP, FMINP, row, chunks, BLOCK_C)
-    active, lo, k, target = _phase_row(K, P, KTH, ZK, row, vocab, z, PHASE == 0, TOP_K)
+    m, z, fmin, active, lo, k, target = _phase_row(MAXP, SUMP, FMINP, K, P, KTH, ZK, row, vocab, chunks, PHASE == 0,
+                                                   TOP_K, BLOCK_C)
     if active:
         pick, chunk_counts = _last_round(EDGES, ABOVE_C, ABOVE_M, PC, PM, PHASE * _ROUNDS + _ROUNDS - 1, row, rows,
                                          chunks, k, target, PHASE == 0, NBINS, BLOCK_C)
@@ -226,10 +228,8 @@ def _compact_kernel(X, stride, K, P, MAXP, SUMP, FMINP, KTH, ZK, EDGES, ABOVE_C,
         start = chunk * width
         end = tl.minimum(start + width, vocab)
         for first in range(start, end, TILE):
-            cols = first + tl.arange(0, TILE)
-            x = tl.load(X + row.to(tl.int64) * stride + cols, mask=cols < end, other=float("-inf"))
-            key = _key(x)
-            keep = (cols < end) & (key >= lo) & (key < hi)
+            valid, x, key = _tile(X, stride, row, first, end, TILE)
+            keep = valid & (key >= lo) & (key < hi)
             slot = offset + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(OUT + row.to(tl.int64) * vocab + slot, x, mask=keep)
             offset += tl.sum(keep.to(tl.int32), axis=0)
@@ -241,8 +241,8 @@ def _finish_kernel(K, P, MAXP, SUMP, FMINP, KTH, ZK, TAU, COMPACT, BRACKET, BRAC
                    PHASE: tl.constexpr, TOP_K: tl.constexpr, NBINS: tl.constexpr, TILE: tl.constexpr,
                    BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
-    m, z, fmin = _row_stats(MAXP, SUMP, FMINP, row, chunks, BLOCK_C)
-    active, first, k, target = _phase_row(K, P, KTH, ZK, row, vocab, z, PHASE == 0, TOP_K)
+    m, z, fmin, active, first, k, target = _phase_row(MAXP, SUMP, FMINP, K, P, KTH, ZK, row, vocab, chunks,
+                                                      PHASE == 0, TOP_K, BLOCK_C)
     threshold = _value(first)  # a skipped phase: top-k keeps every token, top-p what top-k kept
     kept_mass = z
     if active:
@@ -252,7 +252,6 @@ def _finish_kernel(K, P, MAXP, SUMP, FMINP, KTH, ZK, TAU, COMPACT, BRACKET, BRAC
         above_count = tl.load(BRACKET + at + 2)
         n = tl.load(BRACKET + at + 3)
         above_mass = tl.load(BRACKET_M + PHASE * rows + row)
-        values = COMPACT + row.to(tl.int64) * vocab
         narrowing = tl.full((), True, tl.int1)
         while narrowing:
             # The bracket's smallest and largest key, smallest finite logit and mass.
@@ -261,10 +260,8 @@ def _finish_kernel(K, P, MAXP, SUMP, FMINP, KTH, ZK, TAU, COMPACT, BRACKET, BRAC
             finite = tl.full((), float("inf"), tl.float32)
             mass = tl.full((), 0.0, tl.float32)
             for offset in range(0, n, TILE):
-                cols = offset + tl.arange(0, TILE)
-                x = tl.load(values + cols, mask=cols < n, other=float("nan"))
-                key = _key(x)
-                inside = (cols < n) & (key >= lo) & (key < hi)
+                valid, x, key = _tile(COMPACT, vocab, row, offset, n, TILE)
+                inside = valid & (key >= lo) & (key < hi)
                 smallest = tl.minimum(smallest, tl.min(tl.where(inside, key, _OPEN), axis=0))
                 largest = tl.maximum(largest, tl.max(tl.where(inside, key, -_OPEN - 1), axis=0))
                 finite = tl.minimum(finite, tl.min(tl.where(inside & (x > float("-inf")), x, float("inf")), axis=0))
@@ -279,9 +276,8 @@ def _finish_kernel(K, P, MAXP, SUMP, FMINP, KTH, ZK, TAU, COMPACT, BRACKET, BRAC
                 counts = tl.zeros((TILE, NBINS), tl.int32)
                 masses = tl.zeros((TILE, NBINS), tl.float32)
                 for offset in range(0, n, TILE):
-                    cols = offset + tl.arange(0, TILE)
-                    x = tl.load(values + cols, mask=cols < n, other=float("nan"))
-                    counts, masses = _bin_tile(x, cols < n, m, lo, hi, edges, counts, masses)
+                    valid, x, key = _tile(COMPACT, vocab, row, offset, n, TILE)
+                    counts, masses = _bin_tile(x, key, valid & (key >= lo) & (key < hi), m, edges, counts, masses)
                 _, lo, hi, above_count, above_mass = _pick(tl.sum(counts, axis=0), tl.sum(masses, axis=0),
                                                            above_count, above_mass, edges, hi, k, target,
                                                            PHASE == 0, NBINS)

@@ -21,8 +21,9 @@ writes) and speculative sampling against the drafts (acceptance.verify). A row's
 come from the static ``draft_probs`` where its flag in ``stochastic`` is set (a model drafter drew its
 drafts), else they are one-hot at its drafts (a deterministic proposal). Eager, that is ~150 launches
 of host work a step (encore-tiny, MTP k = 2: most of a 5 ms step, against 0.6 ms greedy). One head
-applies min-p alone, the other top-k and top-p too, with their sort of the vocabulary, for steps where
-a row truncates; a filter a row does not use leaves its distribution as it was, bit for bit.
+applies min-p alone, the other top-k and top-p too (their threshold search,
+backends/truncation_triton.py), for steps where a row truncates; a filter a row does not use leaves
+its distribution as it was, bit for bit.
 """
 
 from __future__ import annotations

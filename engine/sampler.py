@@ -52,10 +52,9 @@ class SamplingTensors:
     ``output_tokens`` only when some row uses any penalty; both are padded with -1.
     ``counters`` is the index of the token being sampled within its request (0 for the first
     output token). ``max_logprobs`` is the largest top-n requested (None: no row wants logprobs).
-    ``truncates``: some stochastic row has top-k or top-p on; ``uses_top_k`` / ``uses_top_p``: some has
-    that one on;
-    ``uses_min_p``: some stochastic row has min-p on (off, ``_filtered_probs`` skips that filter's ops,
-    whose result would be the same).
+    ``uses_top_k`` / ``uses_top_p`` / ``uses_min_p``: some stochastic row has that filter on (off,
+    ``_filtered_probs`` skips the filter's ops, whose result would be the same); ``truncates``: top-k
+    or top-p.
     """
 
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
@@ -71,10 +70,13 @@ class SamplingTensors:
     output_tokens: torch.Tensor | None  # [N, Lo] int64, -1 padded
     max_logprobs: int | None
     all_greedy: bool
-    truncates: bool
     uses_top_k: bool
     uses_top_p: bool
     uses_min_p: bool
+
+    @property
+    def truncates(self) -> bool:
+        return self.uses_top_k or self.uses_top_p
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
@@ -117,7 +119,6 @@ class SamplingTensors:
             output_tokens=tokens.get("output"),
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
-            truncates=any(p.truncates for p in params),
             uses_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             uses_top_p=any(not p.greedy and p.top_p < 1.0 for p in params),
             uses_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
@@ -146,7 +147,7 @@ class SamplingTensors:
         return cls(temperature=floats[0], top_p=floats[1], min_p=floats[2], repetition_penalty=floats[3],
                    presence_penalty=floats[4], frequency_penalty=floats[5], seeds=longs[0], counters=longs[1],
                    top_k=longs[2], prompt_tokens=None, output_tokens=None, max_logprobs=None, all_greedy=False,
-                   truncates=truncates, uses_top_k=truncates, uses_top_p=truncates, uses_min_p=True)
+                   uses_top_k=truncates, uses_top_p=truncates, uses_min_p=True)
 
 
 class StaticSamplingRows:

@@ -29,8 +29,8 @@ distribution (the row's temperature, top-k, top-p and min-p; no penalties), whic
 too. A key of up to ``MAX_STOCHASTIC_ROWS`` slots (head_graphs.py says why) has two more graphs for
 that, whose slots read their sampling parameters from a static buffer (``run`` and ``run_prefill``
 write it, a slot past the drafting rows greedy) and which write the k distributions of every slot into
-``probs`` [bs, k, V] beside the drafts: one applies min-p alone, the other top-k and top-p too (the
-vocabulary's sort), for steps where a row truncates (a filter a slot does not use keeps its
+``probs`` [bs, k, V] beside the drafts: one applies min-p alone, the other top-k and top-p too (their
+threshold search), for steps where a row truncates (a filter a slot does not use keeps its
 distribution bit for bit). A step that ran on no such key drafts eager; the speculator counts those in
 ``drafter_eager_steps``.
 """

@@ -50,6 +50,7 @@ from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
 from encore.graphs.compiler import CompiledDrafter
 
+
 @dataclass(slots=True)
 class RowResult:
     request: Request
@@ -153,8 +154,6 @@ class Speculator:
         drafting, new_drafts = (self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec,
                                                   in_buffers=logits is None)
                                 if self.model_drafter is not None else ([], None))
-        want_logprobs = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
         # One device-to-host copy for everything the host needs from this step (logprobs, when asked
         # for, make their own).
         parts = [plain_tokens, spec.num_accepted, spec.tokens.flatten()]
@@ -173,10 +172,10 @@ class Speculator:
                 self.drafted += counted[b]
                 self.accepted += a
                 self.verify_rows += 1
-        if logprobs is not None:
+        if logits is not None:
             # Each row's logits rows: a plain row's own, a verify row's first 1 + accepted.
             firsts = list(range(n_plain)) + [n_plain + b * q_len for b in range(rows)]
-            _read_logprobs(logprobs, [(res, range(first, first + len(res.tokens)))
+            _read_logprobs(logits, [(res, range(first, first + len(res.tokens)))
                                       for res, first in zip(results, firsts)])
         for i, req in enumerate(drafting):
             req.draft_token_ids = draft_host[i * k:(i + 1) * k]
@@ -359,16 +358,17 @@ class Speculator:
         }
 
 
-def _read_logprobs(logprobs: torch.Tensor, rows: list[tuple[RowResult, range]]) -> None:
+def _read_logprobs(logits: torch.Tensor, rows: list[tuple[RowResult, range]]) -> None:
     """Fills in the logprobs of each result whose request asked for them: its emitted tokens' and its top
-    n at each of its logits rows (``logprobs`` [N, V] rows). One gather and top-k over every such row of
-    the step and two reads back (a read per row made the host wait on the device three times a row)."""
+    n at each of its logits rows (``logits`` [N, V] rows). One log_softmax, gather and top-k over the
+    step's rows that are read (not all N), and two reads back (a read per row made the host wait on the
+    device three times a row)."""
     asked = [(res, at) for res, at in rows if res.request.params.logprobs is not None]
     if not asked:
         return
     index, chosen_ids = upload([([i for _, at in asked for i in at], torch.long),
-                                ([t for res, _ in asked for t in res.tokens], torch.long)], logprobs.device)
-    picked = logprobs[index]  # [M, V]
+                                ([t for res, _ in asked for t in res.tokens], torch.long)], logits.device)
+    picked = torch.log_softmax(logits[index], dim=-1)  # [M, V]
     top_vals, top_ids = picked.topk(max(1, max(res.request.params.logprobs for res, _ in asked)), dim=-1)
     values = torch.cat([picked.gather(1, chosen_ids[:, None]), top_vals], dim=1).tolist()  # [M, 1 + n]
     ids = top_ids.tolist()

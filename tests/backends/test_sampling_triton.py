@@ -57,7 +57,6 @@ def test_matches_the_torch_race(rows, vocab, salt):
     assert torch.equal(got, reference(probs, seeds, counters, salt))
 
 
-
 @in_process
 def test_strided_seeds_and_counters_are_read_row_by_row():
     """A verify step passes each row's seed and counter as every (1 + k)-th entry of its per-position

@@ -81,7 +81,6 @@ def test_a_burst_as_large_as_the_row_budget_replays_on_capped_keys(tmp_path):
     assert stats["graph_replays"] == sum(stats["steps"].values()), stats
 
 
-
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_sampled_speculative_steps_replay_graphs_with_the_eager_steps_tokens(method):
     """Steps with sampling rows verify in the DECODE keys' stochastic heads (engine/head_graphs.py) and
@@ -114,7 +113,6 @@ def test_sampled_speculative_steps_replay_graphs_with_the_eager_steps_tokens(met
     assert not spec.speculator.draft_probs and stats["kv_pages_free"] == stats["kv_pages_total"], stats
 
 
-
 def test_keys_past_the_stochastic_row_cap_capture_and_sample_eager():
     """A verify key of more rows than head_graphs.MAX_STOCHASTIC_ROWS gets greedy graphs only (capture
     once failed on it: the stochastic buffers are sized to the cap); sampled rows that run on it draft and
@@ -129,6 +127,7 @@ def test_keys_past_the_stochastic_row_cap_capture_and_sample_eager():
     stats = spec.stats()
     assert stats["graph_replays"] > 0 and stats["drafter_eager_steps"] > 0 and stats["verify_eager_steps"] > 0, stats
     assert stats["kv_pages_free"] == stats["kv_pages_total"], stats
+
 
 def test_cuda_seeded_sampling_is_batch_independent(v3_dir):
     engine = Engine(str(v3_dir), device="cuda", dtype="float32", page_size=16, compile=False, cuda_graphs=False)

@@ -216,14 +216,13 @@ def test_filters_that_no_row_uses_are_skipped_with_the_same_result():
              SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)]  # greedy: its filters never count
     t = _build(plain)
     assert not t.truncates and not t.uses_min_p
-    full = dataclasses.replace(t, truncates=True, uses_min_p=True)
+    full = dataclasses.replace(t, uses_top_k=True, uses_top_p=True, uses_min_p=True)
     assert torch.equal(processed_probs(logits, t), processed_probs(logits, full))
     assert _build([SamplingParams(top_k=5)]).truncates and _build([SamplingParams(top_p=0.9)]).truncates
     top_k, top_p = _build([SamplingParams(top_k=5)]), _build([SamplingParams(top_p=0.9)])
     assert (top_k.uses_top_k, top_k.uses_top_p, top_p.uses_top_k, top_p.uses_top_p) == (True, False, False, True)
     assert not _build([SamplingParams(temperature=0.0, top_k=5, top_p=0.5)]).uses_top_k  # greedy rows never count
     assert _build([SamplingParams(min_p=0.1)]).uses_min_p and not _build([SamplingParams(min_p=0.1)]).truncates
-
 
 
 @pytest.mark.parametrize("truncates", [False, True])

@@ -44,7 +44,6 @@ def test_greedy_speculation_is_token_identical(reference, method, k, workload):
     check_greedy_run(engine, PROMPTS, GREEDY, reference, workload)
 
 
-
 def test_speculative_logprobs_are_plain_decodings(reference):
     """A verify step's emitted tokens get the logprobs plain decoding gives them: the chosen token's and
     the request's own top n, whatever the other rows of the step ask (top 3, top 0, none, top 5);
