@@ -33,8 +33,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from encore.backends import kernel_variants
+from encore.backends.argmax_triton import BLOCK, pick, split
 
-BLOCK = 1024  # columns a loop iteration
 _PROGRAMS = 512  # rows × chunks a launch aims at
 
 
@@ -180,7 +180,7 @@ def _chunk_stats(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     rows, vocab = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"{name} reads rows of contiguous columns; x has strides {x.stride()}")
-    chunks, width = split(rows, vocab)
+    chunks, width = split(rows, vocab, _PROGRAMS)
     # Separate allocations, not views of one: a view's offset would change the pointer's alignment,
     # which Triton specializes on (a variant compiled while serving).
     maxima, sums, finite_minima = (torch.empty(rows, chunks, dtype=torch.float32, device=x.device) for _ in range(3))
@@ -199,14 +199,6 @@ def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def split(rows: int, vocab: int) -> tuple[int, int]:
-    """(chunks a row is cut into, at most _PROGRAMS; columns a chunk): about _PROGRAMS programs, each a
-    whole number of BLOCKs."""
-    chunks = max(1, min(triton.cdiv(vocab, BLOCK), _PROGRAMS // max(rows, 1)))
-    width = triton.cdiv(triton.cdiv(vocab, chunks), BLOCK) * BLOCK
-    return triton.cdiv(vocab, width), width
-
-
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, salt: int) -> torch.Tensor:
     """probs [N, V] (any float dtype, rows contiguous), seeds and counters [N] int64 (any stride) -> [N]
     int64, equal to ``argmax(probs.float() / -log(seeded_uniform(seeds, counters, V, salt)))``."""
@@ -214,16 +206,14 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.T
     if probs.stride(1) != 1:
         raise ValueError(f"exponential_race reads rows of contiguous columns; probs has strides {probs.stride()}")
     seeds, counters = seeds.contiguous(), counters.contiguous()  # the kernel reads row r at offset r
-    chunks, width = split(rows, vocab)
+    chunks, width = split(rows, vocab, _PROGRAMS)
     best = torch.empty(rows, chunks, dtype=torch.float32, device=probs.device)
     where = torch.empty(rows, chunks, dtype=torch.int64, device=probs.device)
     if rows:
         _race_kernel[(rows, chunks)](probs, probs.stride(0), seeds, counters, best, where, vocab, width, chunks,
                                      salt & 0xFFFFFFFF, BLOCK=BLOCK,
                                      LIBDEVICE=probs.is_cuda)
-    if chunks == 1:
-        return where[:, 0]
-    return where.gather(1, best.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return pick(best, where)
 
 
 def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: int) -> torch.Tensor:

@@ -243,11 +243,12 @@ class ModelRunner:
         settings the backend picks by shape (``AttentionBackend.warm_up_decode``), and the small-M GEMV
         (``encore::dense``, the router, the absorbed per-head products) per row count (decode steps of
         each of its BLOCK_MS tokens) and per reduction length of the weights it runs, and the sampler's
-        exponential race (one variant) and top-k / top-p search (with and without top-k's phase). Each
-        step runs on the dummy page (``scratch_batch``)."""
+        exponential race (one variant), top-k / top-p search (with and without top-k's phase) and greedy
+        pick (per logits dtype: the model's, and float32 in the sampler). Each step runs on the dummy page
+        (``scratch_batch``)."""
         if self.device.type != "cuda":
             return 0
-        from encore.backends import gemv_triton, sampling_triton, truncation_triton
+        from encore.backends import argmax_triton, gemv_triton, sampling_triton, truncation_triton
         from encore.backends.dense import GEMV_MAX_WEIGHT
         from encore.backends.moe_triton import config_token_counts
 
@@ -276,6 +277,7 @@ class ModelRunner:
                              if p.dim() == 2 and p.numel() <= GEMV_MAX_WEIGHT}, self.dtype, self.device)
         sampling_triton.warm_up(self.model.cfg.vocab_size, self.device)
         truncation_triton.warm_up(self.model.cfg.vocab_size, self.device)
+        argmax_triton.warm_up(self.model.cfg.vocab_size, {self.dtype, torch.float32}, self.device)
         torch.cuda.synchronize(self.device)
         self.kernel_variants_at_start = compiled_variants()
         return len(steps)

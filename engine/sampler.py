@@ -236,7 +236,7 @@ def processed_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """
     penalized = apply_penalties(logits, t)  # [N, V]
     probs = _filtered_probs(penalized, t)  # [N, V]
-    one_hot = torch.zeros_like(probs).scatter_(1, penalized.argmax(dim=-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(probs).scatter_(1, argmax_rows(penalized)[:, None], 1.0)
     return torch.where((t.temperature == 0)[:, None], one_hot, probs)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from encore.backends.argmax import argmax_rows
 from encore.backends.host_tensors import upload
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.head_graphs import plain_rows
@@ -140,7 +141,7 @@ class Speculator:
             logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
             runner.apply_masks(logits, masks)
             if greedy:
-                choice = logits.argmax(dim=-1)  # [N]: every row's token is the target's argmax
+                choice = argmax_rows(logits)  # [N]: every row's token is the target's argmax
                 plain_tokens = choice[:n_plain]
                 spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
             else:
@@ -323,7 +324,7 @@ class Speculator:
             t = replace(sampling, counters=positions + 2 - sampling.counters)
             q = processed_probs(drafter.logits(hidden), t)  # [D, V]
             qs.append(q)
-            return torch.where(t.temperature == 0, q.argmax(dim=-1),
+            return torch.where(t.temperature == 0, argmax_rows(q),
                                sample_from_probs(q, t.seeds, t.counters, DRAFT_SALT))
 
         h = self._drafter_pass(first, batch, ids, drafter.first_input(target_hidden), plan_first)[src]  # [D, H]
