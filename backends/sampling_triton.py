@@ -222,8 +222,8 @@ def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor, n: int, salt: i
     seeds, counters = seeds.contiguous(), counters.contiguous()  # the kernel reads row r at offset r
     out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)
     if out.numel():
-        _uniform_kernel[(seeds.shape[0], triton.cdiv(n, BLOCK))](seeds, counters, out, n, salt & 0xFFFFFFFF,
-                                                                  BLOCK=BLOCK)
+        _uniform_kernel[(seeds.shape[0], triton.cdiv(n, BLOCK))](
+            seeds, counters, out, n, salt & 0xFFFFFFFF, BLOCK=BLOCK)
     return out
 
 

@@ -177,7 +177,7 @@ class Speculator:
             # Each row's logits rows: a plain row's own, a verify row's first 1 + accepted.
             firsts = list(range(n_plain)) + [n_plain + b * q_len for b in range(rows)]
             _read_logprobs(logits, [(res, range(first, first + len(res.tokens)))
-                                      for res, first in zip(results, firsts)])
+                                    for res, first in zip(results, firsts)])
         for i, req in enumerate(drafting):
             req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
