@@ -70,7 +70,7 @@ def measure(dim: int, stages: int, bandwidth: float) -> dict:
 
     for pdl in (True, False):
         timed("gemv_pdl" if pdl else "gemv_plain", lambda pdl=pdl: [
-            gemv_triton._launch(xs[s:s + 1, None], w[s:s + 1], xs[s + 1:s + 2, None], pdl) for s in range(stages)])
+            gemv_triton.batched_gemv(xs[s:s + 1, None], w[s:s + 1], xs[s + 1:s + 2, None], pdl) for s in range(stages)])
     arrived = torch.zeros(stages, dtype=torch.int32, device="cuda")
     most = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     for programs, warps in PERSISTENT:

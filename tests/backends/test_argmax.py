@@ -72,7 +72,13 @@ def test_pick_takes_the_first_chunk_of_the_maximum_or_of_a_nan():
 test_cpu_tests_in_child_process = rerun_in_child(__file__)
 
 
-def test_argmax_rows_off_cuda_is_torch_argmax():
+def test_argmax_rows_off_cuda_launches_no_kernel(monkeypatch):
+    import encore.backends.argmax_triton as argmax_triton
+
+    def no_kernels(logits):
+        raise AssertionError("a CPU tensor went to the Triton kernels")
+
+    monkeypatch.setattr(argmax_triton, "argmax_triton", no_kernels)
     x = rows_like("ties", 4, 300, torch.float32, "cpu")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
