@@ -5,7 +5,9 @@ like rule.
 The small-M GEMV pass (passes/small_m_gemv.py) puts this op in place of a DECODE graph's weight
 GEMMs that the GEMV runs faster (``use_gemv``). A step whose token count and weight pass
 ``runs_gemv`` then runs the Triton GEMV on CUDA (gemv_triton.py: the weight read overlaps the kernel
-before it); other steps, and the CPU, run ``torch.mm`` as before.
+before it); other steps, and the CPU, run ``torch.mm`` as before. ``encore::rms_norm_dense`` and
+``add_rms_norm_dense`` are a norm (after a residual add) and the dense it feeds, which
+passes/fuse_norms.py makes one op so that the GEMV normalizes x itself.
 """
 
 from __future__ import annotations
@@ -72,6 +74,61 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @dense.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek's RMSNorm (as transformers computes it): float32 statistics, the normalized row rounded to
+    x's dtype, then times the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@torch.library.custom_op("encore::rms_norm_dense", mutates_args=())
+def rms_norm_dense(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+    """dense(rms_norm(x, norm_weight, eps), w): a decode graph's norm and the projection it feeds
+    (passes/fuse_norm_gemv.py), one GEMV launch on CUDA where ``runs_gemv``."""
+    return torch.mm(rms_norm(x, norm_weight, eps), w.t())
+
+
+@rms_norm_dense.register_kernel("cuda")
+def _(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+    from encore.backends import gemv_triton  # triton is imported on first use
+
+    if runs_gemv(x, w):
+        return gemv_triton.rms_norm_gemv(x, norm_weight, eps, w)[0]
+    return torch.mm(gemv_triton.rms_norm(x, norm_weight, eps)[0], w.t())
+
+
+@rms_norm_dense.register_fake
+def _(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("encore::add_rms_norm_dense", mutates_args=())
+def add_rms_norm_dense(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense(rms_norm(x + delta, norm_weight, eps), w), x + delta): a residual add, the norm after it and
+    the projection it feeds, one GEMV launch on CUDA where ``runs_gemv``."""
+    total = x + delta
+    return torch.mm(rms_norm(total, norm_weight, eps), w.t()), total
+
+
+@add_rms_norm_dense.register_kernel("cuda")
+def _(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+      w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from encore.backends import gemv_triton  # triton is imported on first use
+
+    if runs_gemv(x, w):
+        return gemv_triton.rms_norm_gemv(x, norm_weight, eps, w, delta)[:2]
+    normed, total = gemv_triton.rms_norm(x, norm_weight, eps, delta)
+    return torch.mm(normed, w.t()), total
+
+
+@add_rms_norm_dense.register_fake
+def _(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+      w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], w.shape[0]), torch.empty_like(x)
 
 
 def runs_batched_gemv(tokens: int, w: torch.Tensor) -> bool:

@@ -20,9 +20,12 @@ the next PDL kernel (another of these) launch and start its own weight read.
 
 ``gemv`` is x · wᵀ (``encore::dense`` and the router); ``batched_gemv`` is one such product per group
 (MLA's absorbed per-head projections, which the Triton attention backend runs through it at one
-token). Limits: M <= ``MAX_TOKENS``, K <= ``GEMV_MAX_K`` (a program's weight tile holds all of K, at
-most 16384 elements: 128 a thread on 4 warps), a contiguous last dim of x and of the output, and a
-weight whose K (or, batched, N) is contiguous.
+token); ``rms_norm_gemv`` is rms_norm(x (+ delta)) · wᵀ, each program normalizing x's rows itself after
+its weight preload (the fused norm ops of dense.py and moe.py, which passes/fuse_norms.py puts into a
+decode graph), and ``rms_norm`` the same norm alone, one program a row, for more tokens. Limits:
+M <= ``MAX_TOKENS``, K <= ``GEMV_MAX_K`` (a program's weight tile holds all of K, at most 16384
+elements: 128 a thread on 4 warps), a contiguous last dim of x and of the output, and a weight whose
+K (or, batched, N) is contiguous.
 """
 
 from __future__ import annotations
@@ -53,13 +56,33 @@ def preload_then_wait(ptrs, mask, PDL: tl.constexpr):
     return w.to(tl.float32)
 
 
+@triton.jit
+def rms_norm_row(x, delta, norm_w, eps, col_ok, SUM, K: tl.constexpr, ADD: tl.constexpr, WRITE_SUM):
+    """One row's RMSNorm as ``rms_norm`` computes it, in float32 with x's dtype's roundings: (x + delta)
+    rounded to x's dtype (``ADD``; stored at ``SUM`` where ``WRITE_SUM``), normalized, rounded, times
+    the weight, rounded. x, delta and norm_w are the row's raw loads (zero past K)."""
+    dtype = x.dtype
+    if ADD:
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+        if WRITE_SUM:
+            tl.store(SUM, x, mask=col_ok)
+    xf = x.to(tl.float32)
+    scaled = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)).to(dtype)
+    return (norm_w.to(tl.float32) * scaled.to(tl.float32)).to(dtype).to(tl.float32)
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_tokens", "n", "stride_xm", "stride_xg", "stride_wg", "stride_w", "stride_om",
-                               "stride_og"])
+                               "stride_og", "stride_dm", "stride_sm", "stride_nm", "eps"])
 def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stride_w, stride_om, stride_og,
+                 DELTA, NORM_W, SUM, NORMED, stride_dm, stride_sm, stride_nm, eps,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CONTIGUOUS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, STORE_NORMED: tl.constexpr,
+                 PDL: tl.constexpr):
     # Program (i, g): rows i·BLOCK_N.. of group g's weight W[g] [N, K]; stride_w is its non-unit stride.
+    # NORM (one group): each program normalizes x's rows itself (``rms_norm_row``; ADD: of x + DELTA)
+    # before its products; program 0 also stores the sum at SUM (ADD) and the normed rows at NORMED
+    # (STORE_NORMED).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -73,9 +96,22 @@ def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stri
         w = preload_then_wait(w_group + cols[:, None] * stride_w + rows[None, :], col_ok[:, None] & row_ok[None, :],
                               PDL)
     tokens = tl.full([1], num_tokens, tl.int32)  # a tensor: the row masks below are tensors (the interpreter's too)
+    if NORM:
+        norm_w = tl.load(NORM_W + cols, mask=col_ok, other=0.0)
     for m in tl.static_range(BLOCK_M):
         m_ok = m < tokens
-        x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok & m_ok, other=0.0).to(tl.float32)
+        x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok & m_ok, other=0.0)
+        if NORM:
+            delta = x
+            if ADD:
+                delta = tl.load(DELTA + m * stride_dm + cols, mask=col_ok & m_ok, other=0.0)
+            x = rms_norm_row(x, delta, norm_w, eps, col_ok & m_ok, SUM + m * stride_sm + cols, K, ADD,
+                             tl.program_id(0) == 0)
+            if STORE_NORMED:
+                if tl.program_id(0) == 0:
+                    tl.store(NORMED + m * stride_nm + cols, x.to(NORMED.dtype.element_ty), mask=col_ok & m_ok)
+        else:
+            x = x.to(tl.float32)
         if K_CONTIGUOUS:
             acc = tl.sum(w * x[None, :], axis=1)
         else:
@@ -122,16 +158,94 @@ def batched_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool 
     return out
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                  delta: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, keep_normed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(``dense.rms_norm(x (+ delta), norm_weight, eps)`` · wᵀ [M, N] in ``out_dtype`` (default x's),
+    x + delta [M, K] (None without delta), the normed rows [M, K] (None unless ``keep_normed``)),
+    M <= MAX_TOKENS: one GEMV launch whose programs each normalize x's rows after their weight
+    preload, in place of a norm kernel between the GEMV and the kernel before it."""
+    _check_norm(x, norm_weight, delta)
+    if not (gemv_layout(x, w) and x.shape[0] <= MAX_TOKENS and x.device == w.device):
+        raise ValueError(f"rms_norm_gemv takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit "
+                         f"dtype and device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride "
+                         f"{x.stride()} on {x.device}, w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    total = None if delta is None else torch.empty_like(x)
+    normed = torch.empty_like(x) if keep_normed else None
+    _launch(x[:, None], w[None], out[:, None], True, (norm_weight, eps, delta, total, normed))
+    return out, total, normed
+
+
+def rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dense.rms_norm(x (+ delta), norm_weight, eps)`` [M, K] and x + delta (None without delta), one
+    program a row (``rms_norm_row``): the norm for the rows ``rms_norm_gemv`` does not take."""
+    _check_norm(x, norm_weight, delta)
+    out = torch.empty_like(x)
+    total = None if delta is None else torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out, total
+    ref = delta if delta is not None else x  # stands in for the pointers ADD leaves unread
+    total_ref = total if total is not None else out
+    pdl = pdl_supported(x.device)
+    _rms_norm_kernel[(x.shape[0],)](x, ref, norm_weight, total_ref, out, x.stride(0), ref.stride(0),
+                                    total_ref.stride(0), out.stride(0), eps, K=x.shape[1],
+                                    BLOCK_K=triton.next_power_of_2(x.shape[1]), ADD=delta is not None, PDL=pdl,
+                                    num_warps=4, launch_pdl=pdl)
+    return out, total
+
+
+@kernel_variants.watched
+@triton.jit(do_not_specialize=["stride_xm", "stride_dm", "stride_sm", "stride_om", "eps"])
+def _rms_norm_kernel(X, DELTA, NORM_W, SUM, OUT, stride_xm, stride_dm, stride_sm, stride_om, eps,
+                     K: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # as Inductor's kernels do: wait before the first read, release the next kernel after the reads
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    x = tl.load(X + m * stride_xm + cols, mask=col_ok, other=0.0)
+    delta = x
+    if ADD:
+        delta = tl.load(DELTA + m * stride_dm + cols, mask=col_ok, other=0.0)
+    norm_w = tl.load(NORM_W + cols, mask=col_ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = rms_norm_row(x, delta, norm_w, eps, col_ok, SUM + m * stride_sm + cols, K, ADD, True)
+    tl.store(OUT + m * stride_om + cols, y.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor, delta: torch.Tensor | None) -> None:
+    ok = (x.dim() == 2 and x.shape[1] <= GEMV_MAX_K and x.stride(1) == 1 and norm_weight.shape == x.shape[1:]
+          and norm_weight.stride(0) == 1 and norm_weight.dtype == x.dtype and norm_weight.device == x.device
+          and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(1) == 1
+                                 and delta.device == x.device)))
+    if not ok:
+        raise ValueError(f"rms_norm takes x [M, K <= {GEMV_MAX_K}] with contiguous rows, a norm weight [K] and an "
+                         f"optional delta like x, of one dtype and device; got x {tuple(x.shape)} {x.dtype} stride "
+                         f"{x.stride()}, norm weight {tuple(norm_weight.shape)} {norm_weight.dtype}, delta "
+                         f"{None if delta is None else (tuple(delta.shape), delta.dtype, delta.stride())}")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool,
+            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None
+            = None) -> None:
+    """``norm``: (norm weight, eps, delta, sum out, normed out) for ``rms_norm_gemv`` (one group)."""
     num_tokens, groups, k = x.shape
     n = w.shape[1]
     k_contiguous = w.stride(2) == 1
     block_n, block_k = tile(k, n, k_contiguous)
     pdl = pdl and pdl_supported(x.device)
+    norm_weight, eps, delta, total, normed = norm if norm is not None else (x, 0.0, None, None, None)
+    # x stands in for the pointers that NORM, ADD and STORE_NORMED leave unread
+    delta, total, normed = (t if t is not None else x[:, 0] for t in (delta, total, normed))
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
         x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
-        out.stride(0), out.stride(1), K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous,
-        BLOCK_M=triton.next_power_of_2(num_tokens), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        out.stride(0), out.stride(1), delta, norm_weight, total, normed, delta.stride(0), total.stride(0),
+        normed.stride(0), eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous,
+        BLOCK_M=triton.next_power_of_2(num_tokens), NORM=norm is not None, ADD=norm is not None and norm[2] is not None,
+        STORE_NORMED=norm is not None and norm[4] is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:

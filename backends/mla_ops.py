@@ -10,7 +10,8 @@ orders the write before the read.
 
     write_latent_cache(kv_c, k_pe, cache)                      cache[slot] = [kv_c | k_pe]
     rope_cache_write(positions, q_pe, kv_c, k_pe, cos_sin,     RoPE of q_pe and k_pe, and the cache
-                     cache, interleaved) -> q_pe_rot           write, in one op (passes/ fuse to it)
+                     cache, interleaved[, kv_norm_weight,      write, in one op (passes/ fuse to it;
+                     eps]) -> q_pe_rot                         with the kv norm in front)
     mla_attention(q_nope, q_pe, w_kc, w_vc, cache, out)        generic: both branches of the step
     mla_prefill(...same...)                                    rows [:num_extends] (MHA branch)
     mla_decode(...same...)                                     rows [num_extends:] (absorbed branch)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from encore.backends.context import current_step
+from encore.backends.dense import rms_norm
 from encore.backends.rope import apply_rotary
 
 
@@ -59,11 +61,16 @@ def _(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor) -> None:
 
 @torch.library.custom_op("encore::rope_cache_write", mutates_args=("cache",))
 def rope_cache_write(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                     cos_sin: torch.Tensor, cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+                     cos_sin: torch.Tensor, cache: torch.Tensor, interleaved: bool,
+                     kv_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """RoPE of q_pe [T, H, dr] and k_pe [T, dr] at ``positions``, and the write of [kv_c | rope(k_pe)]
-    into the cache; returns rope(q_pe). The torch reference: exactly rotary + write_latent_cache."""
+    into the cache; returns rope(q_pe). With ``kv_norm_weight``, kv_c is first normalized
+    (``dense.rms_norm``: passes/fuse_norms.py folds the kv norm in). The torch reference: exactly
+    (norm,) rotary + write_latent_cache."""
     batch = current_step().batch
     _check_tokens("q_pe", q_pe, batch.num_tokens)
+    if kv_norm_weight is not None:
+        kv_c = rms_norm(kv_c, kv_norm_weight, eps)
     q_rot, k_rot = apply_rotary(positions, q_pe, k_pe, cos_sin, interleaved)
     _write(kv_c, k_rot, cache, batch.slot_mapping)
     return q_rot
@@ -71,17 +78,20 @@ def rope_cache_write(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Te
 
 @rope_cache_write.register_kernel("cuda")
 def _(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, cos_sin: torch.Tensor,
-      cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+      cache: torch.Tensor, interleaved: bool, kv_norm_weight: torch.Tensor | None = None,
+      eps: float = 0.0) -> torch.Tensor:
     from encore.backends.rope_cache_triton import rope_cache_write_triton  # triton is imported on first use
 
     batch = current_step().batch
     _check_tokens("q_pe", q_pe, batch.num_tokens)
-    return rope_cache_write_triton(positions, q_pe, kv_c, k_pe, cos_sin, cache, batch.slot_mapping, interleaved)
+    return rope_cache_write_triton(positions, q_pe, kv_c, k_pe, cos_sin, cache, batch.slot_mapping, interleaved,
+                                   kv_norm_weight, eps)
 
 
 @rope_cache_write.register_fake
 def _(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, cos_sin: torch.Tensor,
-      cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+      cache: torch.Tensor, interleaved: bool, kv_norm_weight: torch.Tensor | None = None,
+      eps: float = 0.0) -> torch.Tensor:
     return torch.empty_like(q_pe)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from encore.backends.dense import runs_gemv
+from encore.backends.dense import rms_norm, runs_gemv
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
@@ -75,14 +75,16 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: i
     from encore.backends import gemv_triton  # triton is imported on first use
     from encore.backends.routing_triton import select_experts_triton
 
-    if runs_gemv(x, weight):
-        logits = gemv_triton.gemv(x, weight, torch.float32)
-    elif x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
-    else:
-        logits = F.linear(x.float(), weight.float())
+    logits = gemv_triton.gemv(x, weight, torch.float32) if runs_gemv(x, weight) else _router_logits(x, weight)
     return select_experts_triton(logits, bias, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
                                  routed_scaling_factor, num_shared)
+
+
+def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x · weightᵀ in float32 off the GEMV: a 16-bit GEMM with float32 output where it can."""
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 @route.register_fake
@@ -91,6 +93,52 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: i
       num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape[0], top_k + num_shared
     return x.new_empty(rows, cols, dtype=torch.float32), x.new_empty(rows, cols, dtype=torch.int64)
+
+
+@torch.library.custom_op("encore::add_rms_norm_route", mutates_args=())
+def add_rms_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+                       topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool,
+                       routed_scaling_factor: float, num_shared: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's residual add, post-attention norm and router: (``route(n, ...)``'s weights and ids, n,
+    x + delta) for n = ``rms_norm(x + delta, norm_weight, eps)`` (passes/fuse_norms.py). CUDA: at the
+    token counts where the router runs on the GEMV, the add and norm run inside it (program 0 stores
+    n and the sum), so no norm kernel stands between the o_proj GEMV and the router's."""
+    total = x + delta
+    normed = rms_norm(total, norm_weight, eps)
+    weights, ids = route(normed, weight, bias, top_k, scoring_func, topk_method, n_group, topk_group,
+                         norm_topk_prob, routed_scaling_factor, num_shared)
+    return weights, ids, normed, total
+
+
+@add_rms_norm_route.register_kernel("cuda")
+def _(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+      bias: torch.Tensor | None, top_k: int, scoring_func: str, topk_method: str, n_group: int, topk_group: int,
+      norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from encore.backends import gemv_triton  # triton is imported on first use
+    from encore.backends.routing_triton import select_experts_triton
+
+    if runs_gemv(x, weight):
+        logits, total, normed = gemv_triton.rms_norm_gemv(x, norm_weight, eps, weight, delta, torch.float32,
+                                                          keep_normed=True)
+    else:
+        normed, total = gemv_triton.rms_norm(x, norm_weight, eps, delta)
+        logits = _router_logits(normed, weight)
+    weights, ids = select_experts_triton(logits, bias, top_k, scoring_func, topk_method, n_group, topk_group,
+                                         norm_topk_prob, routed_scaling_factor, num_shared)
+    return weights, ids, normed, total
+
+
+@add_rms_norm_route.register_fake
+def _(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+      bias: torch.Tensor | None, top_k: int, scoring_func: str, topk_method: str, n_group: int, topk_group: int,
+      norm_topk_prob: bool, routed_scaling_factor: float, num_shared: int
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape[0], top_k + num_shared
+    return (x.new_empty(rows, cols, dtype=torch.float32), x.new_empty(rows, cols, dtype=torch.int64),
+            torch.empty_like(x), torch.empty_like(x))
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -1,8 +1,9 @@
 """Fused RoPE + latent-cache write (the CUDA kernel of ``encore::rope_cache_write``).
 
-One program per token: rotates the token's shared rope key and writes it, with the compressed kv,
-straight into the token's cache slot (the rotated key never exists as a tensor), and rotates every
-head's q_pe into a fresh output. Same math as ``backends.rope.apply_rotary`` (float32, cos/sin from
+One program per token: rotates the token's shared rope key and writes it, with the compressed kv
+(normalized first, given the kv norm's weight: ``gemv_triton.rms_norm_row``), straight into the
+token's cache slot (the rotated key never exists as a tensor), and rotates every head's q_pe into a
+fresh output. Same math as ``backends.rope.apply_rotary`` (float32, cos/sin from
 the table, interleaved pairs written de-interleaved), so it matches the reference to rounding.
 Runs under Triton's CPU interpreter too (``TRITON_INTERPRET=1``), which is how CI tests it.
 """
@@ -14,17 +15,19 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.gemv_triton import rms_norm_row
 from encore.backends.pdl import pdl_supported
 
 
 @kernel_variants.watched
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # views of a step's packed upload
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"],  # views of a step's packed upload
+            do_not_specialize=["eps"])
 def _rope_cache_write_kernel(
-    pos_ptr, slot_ptr, q_ptr, kv_c_ptr, k_pe_ptr, cos_sin_ptr, cache_ptr, q_out_ptr,
+    pos_ptr, slot_ptr, q_ptr, kv_c_ptr, k_pe_ptr, cos_sin_ptr, cache_ptr, q_out_ptr, norm_w_ptr,
     q_stride_t, q_stride_h, kv_c_stride_t, k_pe_stride_t, cos_sin_stride, cache_stride_slot,
-    q_out_stride_t, q_out_stride_h, num_heads,
+    q_out_stride_t, q_out_stride_h, num_heads, eps,
     RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, KV_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched as a programmatic dependent: it waits for the kernel before it before reading anything,
         # and a programmatic dependent after it (the absorbed query's GEMV) starts its weight read now
@@ -49,7 +52,10 @@ def _rope_cache_write_kernel(
     tl.store(dst + RANK + i, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty))
     tl.store(dst + RANK + HALF + i, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty))
     r = tl.arange(0, BLOCK_RANK)
-    latent = tl.load(kv_c_ptr + t * kv_c_stride_t + r, mask=r < RANK)
+    latent = tl.load(kv_c_ptr + t * kv_c_stride_t + r, mask=r < RANK, other=0.0)
+    if KV_NORM:
+        norm_w = tl.load(norm_w_ptr + r, mask=r < RANK, other=0.0)
+        latent = rms_norm_row(latent, latent, norm_w, eps, r < RANK, kv_c_ptr, RANK, False, False)
     tl.store(dst + r, latent.to(cache_ptr.dtype.element_ty), mask=r < RANK)
 
     h = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
@@ -65,9 +71,11 @@ def _rope_cache_write_kernel(
 
 def rope_cache_write_triton(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                             cos_sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                            interleaved: bool) -> torch.Tensor:
+                            interleaved: bool, kv_norm_weight: torch.Tensor | None = None,
+                            eps: float = 0.0) -> torch.Tensor:
     """positions, slot_mapping [T] int64; q_pe [T, H, dr]; kv_c [T, R]; k_pe [T, dr]; cos_sin [P, dr]
-    float32; cache [pages, page_size, R + dr] -> rope(q_pe) [T, H, dr] (cache written in place)."""
+    float32; cache [pages, page_size, R + dr] -> rope(q_pe) [T, H, dr] (cache written in place).
+    ``kv_norm_weight`` [R] (kv_c's dtype): kv_c is written as ``dense.rms_norm(kv_c, kv_norm_weight, eps)``."""
     num_tokens, num_heads, rope_dim = q_pe.shape
     rank = kv_c.shape[-1]
     half = rope_dim // 2
@@ -86,15 +94,20 @@ def rope_cache_write_triton(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: t
     for name, tensor in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride in its last dimension, got strides {tensor.stride()}")
+    if kv_norm_weight is not None and (kv_norm_weight.shape != (rank,) or kv_norm_weight.dtype != kv_c.dtype
+                                       or kv_norm_weight.stride(0) != 1):
+        raise ValueError(f"kv_norm_weight must be contiguous [{rank}] of kv_c's dtype {kv_c.dtype}, got "
+                         f"{kv_norm_weight.dtype} {tuple(kv_norm_weight.shape)} stride {kv_norm_weight.stride()}")
     q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype, device=q_pe.device)
     if num_tokens == 0:
         return q_out
     pdl = pdl_supported(q_pe.device)
     _rope_cache_write_kernel[(num_tokens,)](
         positions, slot_mapping, q_pe, kv_c, k_pe, cos_sin, cache, q_out,
+        kv_norm_weight if kv_norm_weight is not None else kv_c,  # stands in for the weight KV_NORM leaves unread
         q_pe.stride(0), q_pe.stride(1), kv_c.stride(0), k_pe.stride(0), cos_sin.stride(0), cache.shape[-1],
-        q_out.stride(0), q_out.stride(1), num_heads,
+        q_out.stride(0), q_out.stride(1), num_heads, eps,
         RANK=rank, HALF=half, BLOCK_RANK=triton.next_power_of_2(rank), BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, PDL=pdl, launch_pdl=pdl,
+        INTERLEAVED=interleaved, KV_NORM=kv_norm_weight is not None, PDL=pdl, launch_pdl=pdl,
     )
     return q_out

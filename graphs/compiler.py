@@ -163,8 +163,8 @@ def inductor_patches(example_inputs: list, compile_threads: int | None) -> dict:
     MoE's pair sum, after its loads), or where the next kernel is encore's own and waits at its top:
     the expert selection, after its wait and before it reads the router's logits (the MoE's first
     kernel follows it and writes nothing before it waits; one token's shared-expert programs read
-    only x, complete by then, and weights), and the GEMV, before it reads x, which stays safe while
-    no load-free kernel follows a GEMV. A kernel without PDL after one waits as usual."""
+    only x, complete by then, and weights), and the GEMV, before it reads x (and a fused norm's delta),
+    which stays safe while no load-free kernel follows a GEMV. A kernel without PDL after one waits as usual."""
     patches: dict = {} if compile_threads is None else {"compile_threads": compile_threads}
     if any(isinstance(t, torch.Tensor) and pdl_supported(t.device) for t in example_inputs):
         patches["triton.enable_pdl"] = True

@@ -14,6 +14,7 @@ from torch import nn
 
 from encore.backends.argmax import argmax_rows
 from encore.backends.base import AttentionBackend
+from encore.backends.dense import rms_norm
 from encore.backends.metadata import ForwardBatch
 from encore.backends.mla_ops import latent_attention
 from encore.backends.moe import route, routed_experts, with_shared_experts
@@ -28,9 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DenseMLP(nn.Module):

@@ -14,8 +14,10 @@ import torch
 from triton_interpreter import in_process, rerun_in_child  # before anything imports triton
 
 from encore.backends.dense import (
-    GEMV_MAX_K, absorb_query, dense, gemv_pays, project_values, runs_batched_gemv, runs_gemv)
-from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, tile
+    GEMV_MAX_K, absorb_query, add_rms_norm_dense, dense, gemv_pays, project_values, rms_norm, rms_norm_dense,
+    runs_batched_gemv, runs_gemv)
+from encore.backends.gemv_triton import MAX_TOKENS, batched_gemv, gemv, rms_norm_gemv, tile
+from encore.backends.gemv_triton import rms_norm as rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -82,6 +84,62 @@ def test_rejects_a_transposed_weight():
 def test_dense_op_on_cpu_is_the_matmul():
     x, w = torch.randn(3, 40), torch.randn(7, 40)
     assert torch.equal(dense(x, w), torch.mm(x, w.t()))
+
+
+def norm_operands(tokens: int, k: int, dtype: torch.dtype, seed: int, row_stride: int | None = None):
+    """x [tokens, k] (rows ``row_stride`` apart), delta like x, a norm weight [k] around 1."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, row_stride or k, generator=gen).to(DEVICE, dtype)[:, :k]
+    delta = torch.randn(tokens, k, generator=gen).to(DEVICE, dtype)
+    norm_weight = (1 + 0.5 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    return x, delta, norm_weight
+
+
+@in_process
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(37, 1408), (5, 100), (64, 256)])
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_gemv_matches_norm_then_matmul(tokens, n, k, add):
+    """``rms_norm_gemv``: each program's norm of x (+ delta) is ``dense.rms_norm``'s, the sum is stored
+    once, exactly; strided x rows."""
+    x, delta, norm_weight = norm_operands(tokens, k, torch.float32, seed=tokens + k, row_stride=k + 24)
+    w = operands(1, n, k, torch.float32, seed=n)[1]
+    total = x + delta if add else x
+    out, out_total, normed = rms_norm_gemv(x, norm_weight, 1e-6, w, delta if add else None, keep_normed=add)
+    assert rel_err(out, rms_norm(total, norm_weight, 1e-6) @ w.t()) < 1e-5
+    assert (out_total is None) != add and (not add or torch.equal(out_total, total))
+    assert (normed is None) != add and (not add or rel_err(normed, rms_norm(total, norm_weight, 1e-6)) < 1e-6)
+
+
+@in_process
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_kernel_float16_rounds_as_torch(add):
+    """The row norm alone (the kernel past the GEMV's token counts): float16 sums and normed rows equal
+    ``dense.rms_norm``'s roundings but for a unit in the last place of a few elements."""
+    x, delta, norm_weight = norm_operands(9, 1408, torch.float16, seed=5)
+    total = x + delta if add else x
+    normed, out_total = rms_norm_triton(x, norm_weight, 1e-6, delta if add else None)
+    want = rms_norm(total, norm_weight, 1e-6)
+    assert normed.dtype == torch.float16 and (normed.float() - want.float()).abs().max() <= 2e-3 * want.abs().max()
+    assert (normed != want).float().mean() < 0.02
+    assert out_total is None if not add else torch.equal(out_total, total)
+
+
+@in_process
+def test_norm_rejects_a_weight_of_another_size():
+    x, delta, norm_weight = norm_operands(1, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"norm weight \(63,\)"):
+        rms_norm_gemv(x, norm_weight[:63], 1e-6, torch.zeros(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"delta \(\(1, 32\)"):
+        rms_norm_triton(x, norm_weight, 1e-6, delta[:, :32])
+
+
+def test_norm_dense_ops_on_cpu_are_the_composition():
+    x, delta, norm_weight = torch.randn(3, 40), torch.randn(3, 40), torch.rand(40) + 0.5
+    w = torch.randn(7, 40)
+    assert torch.equal(rms_norm_dense(x, norm_weight, 1e-6, w), torch.mm(rms_norm(x, norm_weight, 1e-6), w.t()))
+    out, total = add_rms_norm_dense(x, delta, norm_weight, 1e-6, w)
+    assert torch.equal(total, x + delta) and torch.equal(out, torch.mm(rms_norm(x + delta, norm_weight, 1e-6), w.t()))
 
 
 test_cpu_tests_in_child_process = rerun_in_child(__file__)
@@ -156,6 +214,51 @@ def test_dense_op_dispatch_by_tokens_gpu(n):
         x, w = operands(tokens, n, 2048, torch.bfloat16, seed=tokens)
         want = gemv(x, w) if runs_gemv(x, w) else torch.mm(x, w.t())
         assert torch.equal(torch.ops.encore.dense(x, w), want), tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n, k", [(3648, 2048), (2112, 7168), (3072, 1536)])
+def test_norm_dense_ops_gpu(n, k):
+    """The fused ops in bf16 at DeepSeek's sizes: the GEMV with the norm in front where ``runs_gemv``,
+    else the norm kernel and cuBLAS; against float32 math on the bf16-rounded norm (as the graph's own
+    norm rounds), and the residual sum exact."""
+    w = operands(1, n, k, torch.bfloat16, seed=n)[1]
+    for tokens in (1, 2, 4, 8, 64):
+        x, delta, norm_weight = norm_operands(tokens, k, torch.bfloat16, seed=tokens)
+        ref = rms_norm(x, norm_weight, 1e-6).float() @ w.float().t()
+        assert rel_err(rms_norm_dense(x, norm_weight, 1e-6, w), ref) < BF16_TOL, tokens
+        out, total = add_rms_norm_dense(x, delta, norm_weight, 1e-6, w)
+        assert torch.equal(total, x + delta), tokens
+        assert rel_err(out, rms_norm(x + delta, norm_weight, 1e-6).float() @ w.float().t()) < BF16_TOL, tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_norm_gemv_chain_in_a_cuda_graph_gpu():
+    """Each fused call's x and delta come from the call before (a residual stream): replayed on new
+    inputs the graph equals eager calls, so no program reads x, delta or writes the sum early."""
+    k = 2048
+    ws = [operands(1, k, k, torch.bfloat16, seed=s)[1] for s in range(6)]
+    norm_weight = norm_operands(1, k, torch.bfloat16, seed=1)[2]
+    static = torch.zeros(2, 1, k, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x):
+        residual, delta = x[0], x[1]
+        for w in ws:
+            delta, residual, _ = rms_norm_gemv(residual, norm_weight, 1e-6, w, delta)
+        return delta, residual
+
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    x = norm_operands(2, k, torch.bfloat16, seed=9)[0][:, None]
+    static.copy_(x)
+    graph.replay()
+    want = chain(x)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
 
 def absorbed_operands(tokens: int, heads: int, dn: int, dv: int, rank: int, dtype: torch.dtype, seed: int):

@@ -455,6 +455,58 @@ def test_one_token_layers_chained_in_a_cuda_graph_gpu(layer, shared):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("shared", [0, 2])
+def test_one_token_layers_with_the_norm_in_the_router_gpu(layer, shared):
+    """The chain above as passes/fuse_norms.py leaves a decode graph: each layer's residual add and
+    post-attention norm run inside the router's GEMV (``encore::add_rms_norm_route``), whose program 0
+    stores the normed row the experts read (the shared experts' programs before the selection ends)
+    and the sum the next layer adds to. Replayed on new inputs the graph equals eager calls bit for
+    bit; the op's normed row, sum and routing match the CPU reference."""
+    w13, w2 = layer("v2-lite")
+    k, scoring, method, groups, top_groups, norm, scale, experts, _ = ROUTINGS["v2-lite"]
+    params = (k, scoring, method, groups, top_groups, norm, scale, shared)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    routers = [torch.randn(experts - shared, 2048, generator=gen, device="cuda").bfloat16() * 2048 ** -0.5
+               for _ in range(4)]
+    norm_weight = (1 + 0.1 * torch.randn(2048, generator=gen, device="cuda")).bfloat16()
+
+    def layers(x, delta, early=shared):
+        for router in routers:
+            weights, ids, normed, x = torch.ops.encore.add_rms_norm_route(x, delta, norm_weight, 1e-6, router, None,
+                                                                          *params)
+            delta = torch.ops.encore.routed_experts(normed, w13, w2, weights, ids, early)
+        return x + delta
+
+    x, delta = (bf16_routing(1, "v2-lite", seed=s)[0] for s in (20, 21))
+    cpu = [t.cpu() for t in (x, delta, norm_weight, routers[0])]
+    want = torch.ops.encore.add_rms_norm_route(*cpu[:3], 1e-6, cpu[3], None, *params)
+    got = torch.ops.encore.add_rms_norm_route(x, delta, norm_weight, 1e-6, routers[0], None, *params)
+    (got_weights, got_ids), (want_weights, want_ids) = by_expert(got[0].cpu(), got[1].cpu()), by_expert(*want[:2])
+    assert torch.equal(got_ids, want_ids) and torch.equal(got[3].cpu(), want[3])
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=2 ** -7, atol=1e-2)
+
+    static = torch.zeros(2, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    layers(static[0], static[1])  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layers(static[0], static[1])
+    for seed in range(3):
+        x, delta = (bf16_routing(1, "v2-lite", seed=30 + 2 * seed + i)[0] for i in (0, 1))
+        static[0].copy_(x)
+        static[1].copy_(delta)
+        eager = layers(x, delta)
+        if shared:
+            assert torch.equal(eager, layers(x, delta, early=0)), seed
+        for _ in range(10):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, eager), seed
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_op_dispatch_by_pairs_gpu(layer, dtype):
     """The op runs the fused MoE up to FUSED_MOE_MAX_PAIRS pairs and, for bf16, experts_grouped above;
