@@ -93,11 +93,7 @@ def rms_norm_dense(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: to
 
 @rms_norm_dense.register_kernel("cuda")
 def _(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-    from encore.backends import gemv_triton  # triton is imported on first use
-
-    if runs_gemv(x, w):
-        return gemv_triton.rms_norm_gemv(x, norm_weight, eps, w)[0]
-    return torch.mm(gemv_triton.rms_norm(x, norm_weight, eps)[0], w.t())
+    return _norm_dense_cuda(x, None, norm_weight, eps, w)[0]
 
 
 @rms_norm_dense.register_fake
@@ -117,6 +113,13 @@ def add_rms_norm_dense(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.
 @add_rms_norm_dense.register_kernel("cuda")
 def _(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
       w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_dense_cuda(x, delta, norm_weight, eps, w)
+
+
+def _norm_dense_cuda(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused norm ops' CUDA kernel: (dense(rms_norm(x (+ delta))), x + delta or None), one GEMV
+    launch where ``runs_gemv``, else the Triton norm and ``torch.mm``."""
     from encore.backends import gemv_triton  # triton is imported on first use
 
     if runs_gemv(x, w):

@@ -130,13 +130,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
     """x [M, K] · w [N, K]ᵀ -> [M, N] in ``out_dtype`` (default x's), float32 sums, M <= MAX_TOKENS.
     ``pdl``: launch as a programmatic dependent (sm90+); False launches it plainly (bench_small_m.py's
     comparison)."""
-    if not (gemv_layout(x, w) and 0 < x.shape[0] <= MAX_TOKENS and x.device == w.device):
-        raise ValueError(f"gemv takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit "
-                         f"dtype and device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride "
-                         f"{x.stride()} on {x.device}, w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
+    _check_gemv("gemv", x, w)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     _launch(x[:, None], w[None], out[:, None], pdl)
     return out
+
+
+def _check_gemv(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    if not (gemv_layout(x, w) and 0 < x.shape[0] <= MAX_TOKENS and x.device == w.device):
+        raise ValueError(f"{name} takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit "
+                         f"dtype and device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride "
+                         f"{x.stride()} on {x.device}, w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
 
 
 def batched_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
@@ -166,10 +170,7 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: tor
     M <= MAX_TOKENS: one GEMV launch whose programs each normalize x's rows after their weight
     preload, in place of a norm kernel between the GEMV and the kernel before it."""
     _check_norm(x, norm_weight, delta)
-    if not (gemv_layout(x, w) and x.shape[0] <= MAX_TOKENS and x.device == w.device):
-        raise ValueError(f"rms_norm_gemv takes x [M <= {MAX_TOKENS}, K <= {GEMV_MAX_K}] and w [N, K] of one 16/32-bit "
-                         f"dtype and device with contiguous rows; got x {tuple(x.shape)} {x.dtype} stride "
-                         f"{x.stride()} on {x.device}, w {tuple(w.shape)} {w.dtype} stride {w.stride()} on {w.device}")
+    _check_gemv("rms_norm_gemv", x, w)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     total = None if delta is None else torch.empty_like(x)
     normed = torch.empty_like(x) if keep_normed else None
@@ -237,15 +238,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool,
     k_contiguous = w.stride(2) == 1
     block_n, block_k = tile(k, n, k_contiguous)
     pdl = pdl and pdl_supported(x.device)
-    norm_weight, eps, delta, total, normed = norm if norm is not None else (x, 0.0, None, None, None)
-    # x stands in for the pointers that NORM, ADD and STORE_NORMED leave unread
-    delta, total, normed = (t if t is not None else x[:, 0] for t in (delta, total, normed))
+    norm_weight, eps, delta, total, normed = norm if norm is not None else (None, 0.0, None, None, None)
+    flags = dict(NORM=norm is not None, ADD=delta is not None, STORE_NORMED=normed is not None)
+    # x stands in for the tensors that NORM, ADD and STORE_NORMED leave unread
+    norm_weight, delta, total, normed = (t if t is not None else x[:, 0] for t in (norm_weight, delta, total, normed))
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
         x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
         out.stride(0), out.stride(1), delta, norm_weight, total, normed, delta.stride(0), total.stride(0),
         normed.stride(0), eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous,
-        BLOCK_M=triton.next_power_of_2(num_tokens), NORM=norm is not None, ADD=norm is not None and norm[2] is not None,
-        STORE_NORMED=norm is not None and norm[4] is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        BLOCK_M=triton.next_power_of_2(num_tokens), **flags, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:

@@ -67,6 +67,7 @@ def _into_dense(graph: fx.Graph, projection: fx.Node) -> bool:
         return False
     total = norm.x
     fuse_add = _fusable_add(norm, projection)
+    new_total = None
     with graph.inserting_before(projection):
         if fuse_add:
             fused = call(graph, encore.add_rms_norm_dense.default, *total.args, norm.weight, norm.eps, w)
@@ -75,11 +76,7 @@ def _into_dense(graph: fx.Graph, projection: fx.Node) -> bool:
             out = call(graph, encore.rms_norm_dense.default, total, norm.weight, norm.eps, w)
     projection.replace_all_uses_with(out)
     graph.erase_node(projection)
-    for node in norm.nodes:
-        graph.erase_node(node)
-    if fuse_add:
-        total.replace_all_uses_with(new_total)
-        graph.erase_node(total)
+    _drop_norm(graph, norm, new_total)
     return True
 
 
@@ -97,10 +94,7 @@ def _into_route(graph: fx.Graph, router: fx.Node) -> bool:
         user.args = (fused, user.args[1])
     graph.erase_node(router)
     normed.replace_all_uses_with(new_normed)
-    for node in norm.nodes:
-        graph.erase_node(node)
-    total.replace_all_uses_with(new_total)
-    graph.erase_node(total)
+    _drop_norm(graph, norm, new_total)
     return True
 
 
@@ -121,9 +115,18 @@ def _into_rope(graph: fx.Graph, rope: fx.Node) -> bool:
     args = list(rope.args)
     args[2] = norm.x
     rope.args = (*args, norm.weight, norm.eps)
+    _drop_norm(graph, norm, None)
+    return True
+
+
+def _drop_norm(graph: fx.Graph, norm: NormMatch, new_total: fx.Node | None) -> None:
+    """Erases the norm's nodes (their users rewired already) and, given the fused op's sum, the add
+    whose users it takes."""
     for node in norm.nodes:
         graph.erase_node(node)
-    return True
+    if new_total is not None:
+        norm.x.replace_all_uses_with(new_total)
+        graph.erase_node(norm.x)
 
 
 _FUSE_INTO = {encore.dense.default: _into_dense, encore.route.default: _into_route,

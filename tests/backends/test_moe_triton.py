@@ -477,14 +477,17 @@ def test_one_token_layers_with_the_norm_in_the_router_gpu(layer, shared):
             delta = torch.ops.encore.routed_experts(normed, w13, w2, weights, ids, early)
         return x + delta
 
-    x, delta = (bf16_routing(1, "v2-lite", seed=s)[0] for s in (20, 21))
-    cpu = [t.cpu() for t in (x, delta, norm_weight, routers[0])]
-    want = torch.ops.encore.add_rms_norm_route(*cpu[:3], 1e-6, cpu[3], None, *params)
-    got = torch.ops.encore.add_rms_norm_route(x, delta, norm_weight, 1e-6, routers[0], None, *params)
-    (got_weights, got_ids), (want_weights, want_ids) = by_expert(got[0].cpu(), got[1].cpu()), by_expert(*want[:2])
-    assert torch.equal(got_ids, want_ids) and torch.equal(got[3].cpu(), want[3])
-    torch.testing.assert_close(got_weights, want_weights, rtol=1e-3, atol=1e-4)
-    torch.testing.assert_close(got[2].cpu(), want[2], rtol=2 ** -7, atol=1e-2)
+    for tokens in (1, 64):  # the GEMV with the norm inside; past its token counts, the norm kernel and cuBLAS
+        x, delta = (bf16_routing(tokens, "v2-lite", seed=s)[0] for s in (20, 21))
+        cpu = [t.cpu() for t in (x, delta, norm_weight, routers[0])]
+        want = torch.ops.encore.add_rms_norm_route(*cpu[:3], 1e-6, cpu[3], None, *params)
+        got = torch.ops.encore.add_rms_norm_route(x, delta, norm_weight, 1e-6, routers[0], None, *params)
+        (got_weights, got_ids), (want_weights, want_ids) = by_expert(got[0].cpu(), got[1].cpu()), by_expert(*want[:2])
+        # A row whose normed values round differently may swap two experts that tie to ~1e-3: allow one in 64.
+        same = (got_ids == want_ids).all(dim=1)
+        assert same.float().mean() >= 1 - 1 / 64 and torch.equal(got[3].cpu(), want[3]), tokens
+        torch.testing.assert_close(got_weights[same], want_weights[same], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(got[2].cpu(), want[2], rtol=2 ** -7, atol=1e-2)
 
     static = torch.zeros(2, 1, 2048, device="cuda", dtype=torch.bfloat16)
     layers(static[0], static[1])  # compile before capture
