@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import torch
 
-# Where the GEMV runs instead of cuBLAS (bench_small_m.py): one token and weights of at most 2^24
-# elements, or 2-4 tokens and at most 2^23 elements of weight times tokens. At one token it took
-# 0.27-0.97x cuBLAS's time for DeepSeek's projections and routers up to V3's q_a/kv_a (15M elements) on
-# an H200, 0.26-0.95x on an H100; past that the devices disagree (H200: 1.01x V3's q_b, 1.06x V2-Lite's
-# LM head, 1.20x V3's o_proj). Each token past the first costs it a pass over its weight registers, so
-# the weight it wins on shrinks with the tokens (H200, session 31, µs against cuBLAS's): V2-Lite's
-# o_proj (4.2M) 3.8 against 6.0 at two tokens, its q/kv_a (7.5M) 7.3 against 6.7 at two, the router
-# 2.9 against 4.7 at four. The absorbed per-head products (2^20 elements on V2-Lite) win at two tokens
-# (1.8 and 2.3 against 3.2 and 3.7) and not at four for W_UV (4.9 against 3.6): BATCHED_GEMV_TOKENS.
+# Where the GEMV runs instead of cuBLAS (bench_small_m.py): one token and weights of at most 2^30
+# elements, or 2-4 tokens and at most 2^23 elements of weight times tokens. At one token, with its loads
+# 16-byte vectors (session 44), it took 0.25-0.90x cuBLAS's time on an H100 for every DeepSeek
+# projection, router, dense MLP and LM head measured, up to V3's LM head (927M elements: 579 against
+# 658 µs), and 0.22-0.91x on an H200 for those up to V2-Lite's LM head and V3's o_proj; the limit is
+# the power of two above the largest. Each token past the first
+# costs it a pass over its weight registers, so the weight it wins on shrinks with the tokens (session
+# 31, µs against cuBLAS's): V2-Lite's o_proj (4.2M) 3.8 against 6.0 at two tokens, its q/kv_a (7.5M) 7.3
+# against 6.7 at two, the router 2.9 against 4.7 at four; session 44 at two tokens, H200: V3's q_b
+# (38M) 23.7 against 21.6 and o_proj 78 against 60. The absorbed per-head products (2^20 elements on
+# V2-Lite) win at two tokens (1.8 and 2.3 against 3.2 and 3.7) and not at four for W_UV (4.9 against
+# 3.6): BATCHED_GEMV_TOKENS.
 GEMV_TOKENS = 4
-GEMV_MAX_WEIGHT = 1 << 24
+GEMV_MAX_WEIGHT = 1 << 30
 GEMV_MAX_WEIGHT_TOKENS = 1 << 23
 BATCHED_GEMV_TOKENS = 2
 GEMV_MAX_K = 16384  # the whole reduction in one register tile of at most this many elements

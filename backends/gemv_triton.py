@@ -78,33 +78,34 @@ def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stri
                  DELTA, NORM_W, SUM, NORMED, stride_dm, stride_sm, stride_nm, eps,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CONTIGUOUS: tl.constexpr,
                  BLOCK_M: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, STORE_NORMED: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ALIGN: tl.constexpr, PDL: tl.constexpr):
     # Program (i, g): rows i·BLOCK_N.. of group g's weight W[g] [N, K]; stride_w is its non-unit stride.
     # NORM (one group): each program normalizes x's rows itself (``rms_norm_row``; ADD: of x + DELTA)
     # before its products; program 0 also stores the sum at SUM (ADD) and the normed rows at NORMED
-    # (STORE_NORMED).
+    # (STORE_NORMED). ALIGN divides every stride of x, W and DELTA (8 where the host found it so, else 1):
+    # the strides are not specialized on, and only the hint lets a row's loads be 16-byte vectors (without
+    # it each element was a 2-byte load of its own, 166-192 registers a thread against 128).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < n
     col_ok = cols < K
-    w_group = W + g * stride_wg
     if K_CONTIGUOUS:  # [BLOCK_N, BLOCK_K]
-        w = preload_then_wait(w_group + rows[:, None] * stride_w + cols[None, :], row_ok[:, None] & col_ok[None, :],
-                              PDL)
+        row_start = tl.multiple_of(g * stride_wg + rows * stride_w, ALIGN)
+        w = preload_then_wait(W + row_start[:, None] + cols[None, :], row_ok[:, None] & col_ok[None, :], PDL)
     else:  # [BLOCK_K, BLOCK_N]
-        w = preload_then_wait(w_group + cols[:, None] * stride_w + rows[None, :], col_ok[:, None] & row_ok[None, :],
-                              PDL)
+        col_start = tl.multiple_of(g * stride_wg + cols * stride_w, ALIGN)
+        w = preload_then_wait(W + col_start[:, None] + rows[None, :], col_ok[:, None] & row_ok[None, :], PDL)
     tokens = tl.full([1], num_tokens, tl.int32)  # a tensor: the row masks below are tensors (the interpreter's too)
     if NORM:
         norm_w = tl.load(NORM_W + cols, mask=col_ok, other=0.0)
     for m in tl.static_range(BLOCK_M):
         m_ok = m < tokens
-        x = tl.load(X + m * stride_xm + g * stride_xg + cols, mask=col_ok & m_ok, other=0.0)
+        x = tl.load(X + tl.multiple_of(m * stride_xm + g * stride_xg + cols, ALIGN), mask=col_ok & m_ok, other=0.0)
         if NORM:
             delta = x
             if ADD:
-                delta = tl.load(DELTA + m * stride_dm + cols, mask=col_ok & m_ok, other=0.0)
+                delta = tl.load(DELTA + tl.multiple_of(m * stride_dm + cols, ALIGN), mask=col_ok & m_ok, other=0.0)
             x = rms_norm_row(x, delta, norm_w, eps, col_ok & m_ok, SUM + m * stride_sm + cols, K, ADD,
                              tl.program_id(0) == 0)
             if STORE_NORMED:
@@ -192,24 +193,25 @@ def rms_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     pdl = pdl_supported(x.device)
     _rms_norm_kernel[(x.shape[0],)](x, ref, norm_weight, total_ref, out, x.stride(0), ref.stride(0),
                                     total_ref.stride(0), out.stride(0), eps, K=x.shape[1],
-                                    BLOCK_K=triton.next_power_of_2(x.shape[1]), ADD=delta is not None, PDL=pdl,
-                                    num_warps=4, launch_pdl=pdl)
+                                    BLOCK_K=triton.next_power_of_2(x.shape[1]), ADD=delta is not None,
+                                    ALIGN=_align(x.stride(0), ref.stride(0)), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out, total
 
 
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["stride_xm", "stride_dm", "stride_sm", "stride_om", "eps"])
 def _rms_norm_kernel(X, DELTA, NORM_W, SUM, OUT, stride_xm, stride_dm, stride_sm, stride_om, eps,
-                     K: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                     K: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr, ALIGN: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # as Inductor's kernels do: wait before the first read, release the next kernel after the reads
         tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    x = tl.load(X + m * stride_xm + cols, mask=col_ok, other=0.0)
+    x = tl.load(X + tl.multiple_of(m * stride_xm + cols, ALIGN), mask=col_ok, other=0.0)  # ALIGN: as in _gemv_kernel
     delta = x
     if ADD:
-        delta = tl.load(DELTA + m * stride_dm + cols, mask=col_ok, other=0.0)
+        delta = tl.load(DELTA + tl.multiple_of(m * stride_dm + cols, ALIGN), mask=col_ok, other=0.0)
     norm_w = tl.load(NORM_W + cols, mask=col_ok, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -242,11 +244,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool,
     flags = dict(NORM=norm is not None, ADD=delta is not None, STORE_NORMED=normed is not None)
     # x stands in for the tensors that NORM, ADD and STORE_NORMED leave unread
     norm_weight, delta, total, normed = (t if t is not None else x[:, 0] for t in (norm_weight, delta, total, normed))
+    read_strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2), delta.stride(0))
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
-        x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2),
-        out.stride(0), out.stride(1), delta, norm_weight, total, normed, delta.stride(0), total.stride(0),
-        normed.stride(0), eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous,
-        BLOCK_M=triton.next_power_of_2(num_tokens), **flags, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x, w, out, num_tokens, n, *read_strides[:4], out.stride(0), out.stride(1), delta, norm_weight, total, normed,
+        read_strides[4], total.stride(0), normed.stride(0), eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        K_CONTIGUOUS=k_contiguous, BLOCK_M=triton.next_power_of_2(num_tokens), **flags,
+        ALIGN=_align(*read_strides), PDL=pdl, num_warps=4, launch_pdl=pdl)
+
+
+def _align(*strides: int) -> int:
+    """The ALIGN hint of the kernels here: 8 where every stride their loads add up is a multiple of 8
+    elements (then, with an aligned base, a row's loads can be 16-byte vectors), else 1 (no hint)."""
+    return 8 if all(s % 8 == 0 for s in strides) else 1
 
 
 def warm_up(reduction_lengths: set[int], dtype: torch.dtype, device: torch.device) -> None:

@@ -19,7 +19,9 @@ programmatic dependents: gate_up while the routing selection runs (which release
 wait returns), its routed pairs' programs waiting before they read or write anything and its shared
 pairs' programs reading x and their weights first and waiting only before they write; down, which
 waits at its top, as gate_up's weight reads end (session 23 had each kernel release the next at its
-start, and the step got slower; benchmarks/README.md, "Session 30").
+start, and the step got slower; benchmarks/README.md, "Session 30"). Down releases the kernel after
+it as its own weight reads end, before its stores and the pair sum: that kernel must wait before it
+reads or writes memory (graphs/compiler.inductor_patches).
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
@@ -383,6 +385,8 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: t
         a = tl.load(INTER + pair * I + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0)  # [16, K]
         w_down = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
         acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
+    if PDL:  # the kernel after (the next layer's first GEMV) reads its weight under this one's tail
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(PER_PAIR + pair * H + row * 0 + n[None, :], acc * tl.load(WEIGHTS + pair),
              mask=(row == 0) & n_ok[None, :])
     # Every thread's store above comes before the arrival (the barrier), and the arrival releases them;

@@ -8,8 +8,8 @@ call reads from HBM) and writes a fresh output. µs per call; floor = weight byt
 (read + write) of a large ``copy_`` replayed in a CUDA graph, measured after the timings in the same
 run (a graph's copy measures lower than an eager one, so this floor is loose; the measurement is the
 ratio to cuBLAS). Shapes: DeepSeek-V2-Lite's fused
-q/kv_a projection, o_proj, router (float32 logits) and LM head, and V3's q_a/kv_a, q_b, o_proj and
-router.
+q/kv_a projection, o_proj, router (float32 logits), LM head and dense MLP (layer 0), and V3's
+q_a/kv_a, q_b, o_proj, router, LM head and dense MLP's gate_up (its down's K is past the GEMV's).
 
     python benchmarks/bench_small_m.py [--tokens 1 2 4] [--json PATH]
 """
@@ -30,10 +30,14 @@ SHAPES = {  # name -> (N, K, float32 out)
     "v2-lite o_proj": (2048, 2048, False),
     "v2-lite router": (64, 2048, True),
     "v2-lite lm_head": (102400, 2048, False),
+    "v2-lite dense gate_up": (2 * 10944, 2048, False),
+    "v2-lite dense down": (2048, 10944, False),
     "v3 q_a/kv_a": (1536 + 576, 7168, False),
     "v3 q_b": (128 * 192, 1536, False),
     "v3 o_proj": (7168, 128 * 128, False),
     "v3 router": (256, 7168, True),
+    "v3 lm_head": (129280, 7168, False),
+    "v3 dense gate_up": (2 * 18432, 7168, False),
 }
 COPY_BYTES = 512 << 20  # weight copies per shape: at least this much, several times the L2
 CALLS = 24

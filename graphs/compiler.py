@@ -156,15 +156,18 @@ def inductor_patches(example_inputs: list, compile_threads: int | None) -> dict:
     """Inductor settings for one family's compile: its compile threads, and on sm90+ (Hopper) its
     kernels launched as programmatic dependents, so a launch overlaps the tail of the kernel before it
     (V2-Lite's bs-1 decode step, Triton attention, H200: 2.390 -> 2.303 ms; benchmarks/README.md).
-    Such a kernel waits for the one before it after its first load, or before it stores to a buffer
-    that kernel's node read or wrote (torch 2.13's codegen): one that loads nothing and stores
+    Such a kernel waits for the one before it before it loads a buffer that kernel's node wrote (else
+    after its first load) and before it stores to one that node read or wrote (torch 2.13's codegen,
+    ``_handle_pdl_before_access``): one that loads nothing and stores
     elsewhere does not wait, even into memory an op's temporaries just freed. So encore's own PDL
     kernels release the next kernel once they have read what may be freed when their op returns (the
     MoE's pair sum, after its loads), or where the next kernel is encore's own and waits at its top:
     the expert selection, after its wait and before it reads the router's logits (the MoE's first
     kernel follows it and writes nothing before it waits; one token's shared-expert programs read
     only x, complete by then, and weights), and the GEMV, before it reads x (and a fused norm's delta),
-    which stays safe while no load-free kernel follows a GEMV. A kernel without PDL after one waits as usual."""
+    and one token's MoE down kernel, as its weight reads end (its stores and pair sum follow), which
+    stay safe while no load-free kernel follows a GEMV or the MoE. A kernel without PDL after one waits
+    as usual."""
     patches: dict = {} if compile_threads is None else {"compile_threads": compile_threads}
     if any(isinstance(t, torch.Tensor) and pdl_supported(t.device) for t in example_inputs):
         patches["triton.enable_pdl"] = True

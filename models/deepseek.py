@@ -14,7 +14,7 @@ from torch import nn
 
 from encore.backends.argmax import argmax_rows
 from encore.backends.base import AttentionBackend
-from encore.backends.dense import rms_norm
+from encore.backends.dense import dense, rms_norm
 from encore.backends.metadata import ForwardBatch
 from encore.backends.mla_ops import latent_attention
 from encore.backends.moe import route, routed_experts, with_shared_experts
@@ -189,6 +189,12 @@ class DeepseekModel(nn.Module):
         return torch.cat([self.norm(x), *aux], dim=-1) if aux else self.norm(x)  # [T, (1 + A) * hidden]
 
 
+def lm_head(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``head`` (no bias) over the rows of ``hidden`` [N, hidden] as ``encore::dense``: on CUDA the Triton
+    GEMV where ``dense.runs_gemv`` (one row: an LM head is past its weight limit at more), else ``torch.mm``."""
+    return dense(hidden, head.weight)
+
+
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -220,12 +226,12 @@ class MTPLayer(nn.Module):
         return self.shared_head.norm(self.layer(x, positions, batch))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(hidden).float()
+        return lm_head(self.shared_head.head, hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of ``compute_logits`` [N], taken on the head's own output: the float32 cast is exact
         and keeps the order, so it picks the same token without a cast's launch."""
-        return argmax_rows(self.shared_head.head(hidden))
+        return argmax_rows(lm_head(self.shared_head.head, hidden))
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -251,8 +257,8 @@ class DeepseekForCausalLM(nn.Module):
         return self.model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden[:, :self.cfg.hidden_size]).float()  # [N, V]
+        return lm_head(self.lm_head, hidden[:, :self.cfg.hidden_size]).float()  # [N, V]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of ``compute_logits`` [N], on the head's own output (the float32 cast is exact)."""
-        return argmax_rows(self.lm_head(hidden[:, :self.cfg.hidden_size]))
+        return argmax_rows(lm_head(self.lm_head, hidden[:, :self.cfg.hidden_size]))

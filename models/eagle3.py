@@ -37,7 +37,7 @@ from torch import nn
 from encore.backends.argmax import argmax_rows
 from encore.backends.metadata import ForwardBatch
 from encore.backends.rope import rotate
-from encore.models.deepseek import DenseMLP, RMSNorm
+from encore.models.deepseek import DenseMLP, RMSNorm, lm_head
 from encore.models.loader import checkpoint_names, copy_checkpoint
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -246,7 +246,7 @@ class Eagle3Model(nn.Module):
         return self.midlayer(self.embed_tokens(input_ids), hidden, positions, batch)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        draft = self.lm_head(self.norm(hidden)).float()  # [N, Vd]
+        draft = lm_head(self.lm_head, self.norm(hidden)).float()  # [N, Vd]
         logits = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))  # [N, V]
         return logits.index_copy_(1, self.target_ids, draft)
 
@@ -254,7 +254,7 @@ class Eagle3Model(nn.Module):
         """A greedy draft [N] in target ids: the draft vocab's argmax, mapped (no target-vocab logits built).
         Where draft ids tie it takes the lowest draft id, which ``compute_logits``' argmax may order
         differently when d2t does not keep the order: either is a greedy draft."""
-        return self.target_ids[argmax_rows(self.lm_head(self.norm(hidden)))]
+        return self.target_ids[argmax_rows(lm_head(self.lm_head, self.norm(hidden)))]
 
 
 def load_eagle3(model_dir: str | Path, cfg: Eagle3Config, attention: PagedAttention,
@@ -303,4 +303,3 @@ def _eagle3_target(ckpt_name: str, cfg: Eagle3Config) -> tuple[str, object] | No
     if name == "midlayer.mlp.up_proj.weight":
         return "midlayer.mlp.gate_up_proj.weight", slice(half, 2 * half)
     return name, None
-

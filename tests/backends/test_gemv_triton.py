@@ -8,6 +8,12 @@ dispatch by token count.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -198,10 +204,27 @@ def test_chain_in_a_cuda_graph_gpu():
     assert rel_err(out, ref) < 3e-2
 
 
-# V2-Lite's weights (elements) and the token counts the GEMV takes them at (H200 timings, session 31,
-# dense.py): past one token the GEMV's cost grows with tokens times weight.
+# V2-Lite's weights (elements) and the token counts the GEMV takes them at (H200 and H100 timings,
+# sessions 31 and 44, dense.py): past one token the GEMV's cost grows with tokens times weight.
 V2_LITE_GEMV_TOKENS = {"q/kv_a": (3648 * 2048, [1]), "o_proj": (2048 * 2048, [1, 2]),
-                       "router": (64 * 2048, [1, 2, 3, 4]), "lm_head": (102400 * 2048, [])}
+                       "router": (64 * 2048, [1, 2, 3, 4]), "lm_head": (102400 * 2048, [1])}
+
+
+def test_aligned_strides_compile_to_vector_loads():
+    """At strides that are multiples of 8 (ALIGN 8) the GEMV's loads of W and x compile to 16-byte vectors
+    and a thread holds at most 128 registers (four programs an SM), with the norm in it or not: sm90
+    SASS from Triton's own ptxas, no GPU needed (gemv_sass.py, in a child process without the
+    interpreter). The launch does not specialize on strides, and without the hint (ALIGN 1) every
+    element is a 2-byte load of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("gemv_sass.py"))], env=env,
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-3000:]
+    found = json.loads(child.stdout)
+    for norm in (False, True):
+        aligned, unaligned = found[f"8,{norm}"], found[f"1,{norm}"]
+        assert set(aligned["loads"]) == {"LDG.E.128"} and aligned["registers"] <= 128, (norm, aligned)
+        assert unaligned["loads"].get("LDG.E.U16", 0) >= 128, (norm, unaligned)
 
 
 def test_gemv_rule_by_tokens_and_weight():

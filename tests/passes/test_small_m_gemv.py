@@ -44,7 +44,7 @@ def test_leaves_other_matmuls():
         return torch.mm(y, torch.t(w)), torch.mm(x, torch.t(big))
 
     w = torch.randn(4, 6).t()  # [N 6, K 4], stride (1, 6)
-    big = torch.empty(GEMV_MAX_WEIGHT // 8 + 1, 8)
+    big = torch.empty(1, 8).expand(GEMV_MAX_WEIGHT // 8 + 1, 8)  # rows of stride 0: no memory behind them
     graph = make_fx(step, tracing_mode="fake")(torch.randn(4, 8), w, big).graph
     assert [n.meta["val"].stride() for n in graph.find_nodes(op="placeholder")][1] == (1, 6)
     before = op_counts(graph)
@@ -52,7 +52,7 @@ def test_leaves_other_matmuls():
     gemv(graph)
     assert gemv.matches == 0 and op_counts(graph) == before and before[MM] == 3
 
-    small = torch.empty(GEMV_MAX_WEIGHT // 8, 8)  # at the limit: rewritten
+    small = torch.empty(1, 8).expand(GEMV_MAX_WEIGHT // 8, 8)  # at the limit: rewritten
     graph = make_fx(step, tracing_mode="fake")(torch.randn(4, 8), w, small).graph
     gemv(graph)
     assert gemv.matches == 1 and op_counts(graph)[DENSE] == 1

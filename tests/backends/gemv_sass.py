@@ -1,0 +1,52 @@
+"""Compiles ``gemv_triton._gemv_kernel`` for sm90 (no GPU needed: Triton's own ptxas) at V2-Lite's q/kv_a
+shape, one token, bf16, with ALIGN 1 and 8 and the norm on and off, and prints a JSON object: for each
+"ALIGN,NORM" the SASS global-load instructions and their counts, and the registers a thread. Run in a
+child process by test_gemv_triton.py: the CPU tests' interpreter mode cannot compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from encore.backends.gemv_triton import _gemv_kernel
+
+ARGS = ["X", "W", "OUT", "num_tokens", "n", "stride_xm", "stride_xg", "stride_wg", "stride_w", "stride_om",
+        "stride_og", "DELTA", "NORM_W", "SUM", "NORMED", "stride_dm", "stride_sm", "stride_nm", "eps"]
+
+
+def main() -> None:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    signature = {a: "*bf16" if a[0].isupper() else "fp32" if a == "eps" else "i32" for a in ARGS}
+    # What a launch specializes: its pointers 16-byte aligned; the strides are not specialized on.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ARGS) if a[0].isupper()}
+    found = {}
+    for align in (1, 8):
+        for norm in (False, True):
+            constants = dict(K=2048, BLOCK_N=8, BLOCK_K=2048, K_CONTIGUOUS=True, BLOCK_M=1, NORM=norm, ADD=norm,
+                             STORE_NORMED=False, ALIGN=align, PDL=True)
+            source = ASTSource(fn=_gemv_kernel, signature={**signature, **{k: "constexpr" for k in constants}},
+                               constexprs=constants, attrs=aligned)
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(kernel.asm["cubin"])
+                cubin.flush()
+                sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], check=True,
+                                      capture_output=True, text=True).stdout
+                usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name], check=True,
+                                       capture_output=True, text=True).stdout
+            loads = re.findall(r"\bLDG\.E[.\w]*", sass)
+            found[f"{align},{norm}"] = {"loads": {op: loads.count(op) for op in set(loads)},
+                                        "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+    json.dump(found, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
