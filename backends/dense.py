@@ -19,13 +19,13 @@ import torch
 # 16-byte vectors (session 44), it took 0.25-0.90x cuBLAS's time on an H100 for every DeepSeek
 # projection, router, dense MLP and LM head measured, up to V3's LM head (927M elements: 579 against
 # 658 µs), and 0.22-0.91x on an H200 for those up to V2-Lite's LM head and V3's o_proj; the limit is
-# the power of two above the largest. Each token past the first
-# costs it a pass over its weight registers, so the weight it wins on shrinks with the tokens (session
-# 31, µs against cuBLAS's): V2-Lite's o_proj (4.2M) 3.8 against 6.0 at two tokens, its q/kv_a (7.5M) 7.3
-# against 6.7 at two, the router 2.9 against 4.7 at four; session 44 at two tokens, H200: V3's q_b
-# (38M) 23.7 against 21.6 and o_proj 78 against 60. The absorbed per-head products (2^20 elements on
-# V2-Lite) win at two tokens (1.8 and 2.3 against 3.2 and 3.7) and not at four for W_UV (4.9 against
-# 3.6): BATCHED_GEMV_TOKENS.
+# the power of two above the largest. Each token past the first costs it a pass over its weight
+# registers, so the weight it wins on shrinks with the tokens (session 31, µs against cuBLAS's):
+# V2-Lite's o_proj (4.2M) 3.8 against 6.0 at two tokens, its q/kv_a (7.5M) 7.3 against 6.7 at two, the
+# router 2.9 against 4.7 at four; session 44 at two tokens, H200: V3's q_b (38M) 23.7 against 21.6 and
+# o_proj (117M) 78 against 60. The absorbed per-head products (2^20 elements on V2-Lite) win at two
+# tokens (1.8 and 2.3 against 3.2 and 3.7) and not at four for W_UV (4.9 against 3.6):
+# BATCHED_GEMV_TOKENS.
 GEMV_TOKENS = 4
 GEMV_MAX_WEIGHT = 1 << 30
 GEMV_MAX_WEIGHT_TOKENS = 1 << 23

@@ -84,7 +84,7 @@ def _gemv_kernel(X, W, OUT, num_tokens, n, stride_xm, stride_xg, stride_wg, stri
     # before its products; program 0 also stores the sum at SUM (ADD) and the normed rows at NORMED
     # (STORE_NORMED). ALIGN divides every stride of x, W and DELTA (8 where the host found it so, else 1):
     # the strides are not specialized on, and only the hint lets a row's loads be 16-byte vectors (without
-    # it each element was a 2-byte load of its own, 166-192 registers a thread against 128).
+    # it each element was a 2-byte load of its own, 166-168 registers a thread against 128).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -244,12 +244,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pdl: bool,
     flags = dict(NORM=norm is not None, ADD=delta is not None, STORE_NORMED=normed is not None)
     # x stands in for the tensors that NORM, ADD and STORE_NORMED leave unread
     norm_weight, delta, total, normed = (t if t is not None else x[:, 0] for t in (norm_weight, delta, total, normed))
-    read_strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1 if k_contiguous else 2), delta.stride(0))
+    stride_w = w.stride(1 if k_contiguous else 2)
+    align = _align(x.stride(0), x.stride(1), w.stride(0), stride_w, delta.stride(0))
     _gemv_kernel[(triton.cdiv(n, block_n), groups)](
-        x, w, out, num_tokens, n, *read_strides[:4], out.stride(0), out.stride(1), delta, norm_weight, total, normed,
-        read_strides[4], total.stride(0), normed.stride(0), eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-        K_CONTIGUOUS=k_contiguous, BLOCK_M=triton.next_power_of_2(num_tokens), **flags,
-        ALIGN=_align(*read_strides), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x, w, out, num_tokens, n, x.stride(0), x.stride(1), w.stride(0), stride_w, out.stride(0), out.stride(1),
+        delta, norm_weight, total, normed, delta.stride(0), total.stride(0), normed.stride(0), eps, K=k,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_CONTIGUOUS=k_contiguous, BLOCK_M=triton.next_power_of_2(num_tokens),
+        **flags, ALIGN=align, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def _align(*strides: int) -> int:

@@ -191,7 +191,7 @@ class DeepseekModel(nn.Module):
 
 def lm_head(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """``head`` (no bias) over the rows of ``hidden`` [N, hidden] as ``encore::dense``: on CUDA the Triton
-    GEMV where ``dense.runs_gemv`` (one row: an LM head is past its weight limit at more), else ``torch.mm``."""
+    GEMV where ``dense.runs_gemv`` (a full-size head's at one row only), else ``torch.mm``."""
     return dense(hidden, head.weight)
 
 
