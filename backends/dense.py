@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @torch.library.custom_op("encore::rms_norm_dense", mutates_args=())
 def rms_norm_dense(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
     """dense(rms_norm(x, norm_weight, eps), w): a decode graph's norm and the projection it feeds
-    (passes/fuse_norm_gemv.py), one GEMV launch on CUDA where ``runs_gemv``."""
+    (passes/fuse_norms.py), one GEMV launch on CUDA where ``runs_gemv``."""
     return torch.mm(rms_norm(x, norm_weight, eps), w.t())
 
 

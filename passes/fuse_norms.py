@@ -110,7 +110,9 @@ def _fusable_add(norm: NormMatch, anchor: fx.Node) -> bool:
 def _into_rope(graph: fx.Graph, rope: fx.Node) -> bool:
     normed = rope.args[2]
     norm = match_rms_norm(normed)
-    if norm is None or len(normed.users) != 1 or len(rope.args) != 7 or rope.kwargs:
+    # rope's positional arguments end before its optional kv norm's (more: it already has one)
+    norm_at = [a.name for a in rope.target._schema.arguments].index("kv_norm_weight")
+    if norm is None or len(normed.users) != 1 or len(rope.args) != norm_at or rope.kwargs:
         return False
     args = list(rope.args)
     args[2] = norm.x
