@@ -210,6 +210,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
 
 
+@triton.jit
+def _split_keys(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys each split of a row of ``seq_len`` keys covers: equal ranges rounded to whole tiles (later
+    splits of a short row may be empty)."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["PAGE_TABLE", "SEQ_LENS"])
 def _decode_split_kernel(
@@ -233,8 +240,7 @@ def _decode_split_kernel(
     seq_len = tl.load(SEQ_LENS + b)
     query_pos = seq_len - Q_LEN + qi  # [M] query i sees keys 0..query_pos
 
-    # Equal key ranges per split, rounded to whole tiles; later splits of a short row may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = _split_keys(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -280,29 +286,35 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merged(PART_O, PART_LSE, base, num_splits, c, c_ok, R: tl.constexpr, BLOCK_S: tl.constexpr,
-            CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+def _merged(PART_O, PART_LSE, base, seq_len, num_splits, c, c_ok, R: tl.constexpr, SPLIT_N: tl.constexpr,
+            BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """The merged latent output [C] (float32) of columns ``c`` of the (token, head) whose splits' rows
-    start at ``base``, loading CHUNK_S splits' slices at a time; empty splits (weight 0) are not read."""
+    start at ``base``, in a row of ``seq_len`` keys split ``num_splits`` ways in tiles of SPLIT_N keys,
+    loading CHUNK_S splits' slices at a time. Only the splits that hold keys are read; which ones is
+    known from the row's length, so their slices are read together with the log-sum-exps (a mask on
+    the weights would wait for those first)."""
+    split_len = _split_keys(seq_len, num_splits, SPLIT_N)
+    splits = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # the first ones, each holding keys
     s = tl.arange(0, BLOCK_S)
-    lse = tl.load(PART_LSE + base + s, mask=s < num_splits, other=float("-inf"))  # [S], log2 units
+    lse = tl.load(PART_LSE + base + s, mask=s < splits, other=float("-inf"))  # [S], log2 units
     lse_max = tl.max(lse, 0)
     lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.sum(tl.exp2(lse - lse_ref), 0)  # empty splits weigh 0
+    total = tl.sum(tl.exp2(lse - lse_ref), 0)  # a split no key of the query's reached weighs 0
     acc = tl.zeros([BLOCK_C], tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
+    for s0 in range(0, splits, CHUNK_S):
         k = s0 + tl.arange(0, CHUNK_S)
-        weight = tl.exp2(tl.load(PART_LSE + base + k, mask=k < num_splits, other=float("-inf")) - lse_ref)  # [K]
-        part = tl.load(PART_O + (base + k)[:, None] * R + c[None, :], mask=(weight > 0.0)[:, None] & c_ok[None, :],
+        part = tl.load(PART_O + (base + k)[:, None] * R + c[None, :], mask=(k < splits)[:, None] & c_ok[None, :],
                        other=0.0)  # [K, C]
+        weight = tl.exp2(tl.load(PART_LSE + base + k, mask=k < splits, other=float("-inf")) - lse_ref)  # [K]
         acc += tl.sum(part * weight[:, None], 0)
     return acc / tl.where(total > 0.0, total, 1.0)
 
 
 @kernel_variants.watched
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits, NUM_HEADS: tl.constexpr,
-                         R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits", "q_len"], do_not_specialize_on_alignment=["SEQ_LENS"])
+def _decode_merge_kernel(PART_O, PART_LSE, SEQ_LENS, OUT, stride_ot, stride_oh, num_splits, q_len,
+                         NUM_HEADS: tl.constexpr, R: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                         CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     # One program per (token, head, BLOCK_C latent columns), loading CHUNK_S splits' slices at a time: up
     # to CHUNK_S splits merge in one round of loads (a loop over single splits was ~8 µs per layer at
     # bs 1 × 34 splits, longer than the split kernel itself), and column blocks give a one-row step
@@ -310,21 +322,26 @@ def _decode_merge_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, num_splits
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [C] latent columns
-    acc = _merged(PART_O, PART_LSE, (tok * NUM_HEADS + head) * num_splits, num_splits, c, c < R, R, BLOCK_S, CHUNK_S,
-                  BLOCK_C)
+    seq_len = tl.load(SEQ_LENS + tok // q_len)
+    acc = _merged(PART_O, PART_LSE, (tok * NUM_HEADS + head) * num_splits, seq_len, num_splits, c, c < R, R, SPLIT_N,
+                  BLOCK_S, CHUNK_S, BLOCK_C)
     tl.store(OUT + tok * stride_ot + head * stride_oh + c, acc.to(OUT.dtype.element_ty), mask=c < R)
 
 
 @kernel_variants.watched
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_splits, stride_wh, stride_wn, stride_oh,
-                                R: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["SEQ_LENS"])
+def _decode_merge_values_kernel(PART_O, PART_LSE, SEQ_LENS, W, OUT, num_splits, stride_wh, stride_wn, stride_oh,
+                                R: tl.constexpr, DV: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                                PDL: tl.constexpr):
     # One token. Program (i, h): rows i·BLOCK_N.. of head h's W_vc [DV, R]. The weight is read into
     # registers first (as a programmatic dependent: while the split kernel runs), then the token's merged
     # latent of head h, rounded to the model's dtype as the unmerged path stores it, is multiplied against
     # it: the GEMV of ``dense.project_values`` with the merge as its prologue. Every program of a head
-    # merges the head's splits itself (no second launch, no latent output in memory).
+    # merges the head's splits itself (no second launch, no latent output in memory). The row's length is
+    # read before the wait too: the split kernel, which releases this one at its start, is a plain launch,
+    # so whatever wrote the length had finished before it began.
+    seq_len = tl.load(SEQ_LENS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head = tl.program_id(1)
     c = tl.arange(0, BLOCK_R)
@@ -332,7 +349,8 @@ def _decode_merge_values_kernel(PART_O, PART_LSE, W, OUT, num_splits, stride_wh,
     row_ok = rows < DV
     w = preload_then_wait(W + head * stride_wh + rows[:, None] * stride_wn + c[None, :],
                           row_ok[:, None] & c_ok[None, :], PDL)
-    o = _merged(PART_O, PART_LSE, head * num_splits, num_splits, c, c_ok, R, BLOCK_S, CHUNK_S, BLOCK_R)
+    o = _merged(PART_O, PART_LSE, head * num_splits, seq_len, num_splits, c, c_ok, R, SPLIT_N, BLOCK_S, CHUNK_S,
+                BLOCK_R)
     o = o.to(W.dtype.element_ty).to(tl.float32)
     acc = tl.sum(w * o[None, :], axis=1)
     tl.store(OUT + head * stride_oh + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
@@ -420,15 +438,16 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     if merge_values:
         block_n = max(1, min(_MERGE_VALUES_ROWS, _MERGE_VALUES_ELEMENTS // block_r))
         _decode_merge_values_kernel[(triton.cdiv(w_vc.shape[1], block_n), heads)](
-            part_o, part_lse, w_vc, out, num_kv_splits, w_vc.stride(0), w_vc.stride(1), out.stride(1), R=rank,
-            DV=w_vc.shape[1], BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_S=block_s,
+            part_o, part_lse, seq_lens, w_vc, out, num_kv_splits, w_vc.stride(0), w_vc.stride(1), out.stride(1),
+            R=rank, DV=w_vc.shape[1], SPLIT_N=config.block_n, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_S=block_s,
             CHUNK_S=min(block_s, _MERGE_TILE // block_r), PDL=pdl, num_warps=_MERGE_VALUES_WARPS, launch_pdl=pdl)
         return out
     if not direct:
         block_c = _merge_columns(tokens, heads, num_sms, block_r)
         _decode_merge_kernel[(tokens, heads, triton.cdiv(rank, block_c))](
-            part_o, part_lse, latent, latent.stride(0), latent.stride(1), num_kv_splits, NUM_HEADS=heads, R=rank,
-            BLOCK_S=block_s, CHUNK_S=min(block_s, _MERGE_TILE // block_c), BLOCK_C=block_c, num_warps=4)
+            part_o, part_lse, seq_lens, latent, latent.stride(0), latent.stride(1), num_kv_splits, q_len,
+            NUM_HEADS=heads, R=rank, SPLIT_N=config.block_n, BLOCK_S=block_s,
+            CHUNK_S=min(block_s, _MERGE_TILE // block_c), BLOCK_C=block_c, num_warps=4)
     if w_vc is not None:
         project_values(latent, w_vc, out)
     return out
