@@ -302,9 +302,11 @@ class _MLAPlan:
         self.replanner = _Replanner.of(self.wrapper)  # the backend the last plan left
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-            cache: torch.Tensor, out: torch.Tensor) -> None:
-        """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> out [T, H, dv]."""
-        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R], contiguous
+            cache: torch.Tensor, out: torch.Tensor, q_lat: torch.Tensor | None = None) -> None:
+        """Absorbed MLA: q_nope [T, H, dn], q_pe [T, H, dr] -> out [T, H, dv] (``q_lat``: the latent
+        query, if already computed)."""
+        if q_lat is None:
+            q_lat = absorb_query(q_nope, w_kc)  # [T, H, R], contiguous
         o_lat = self.wrapper.run(query=(q_lat, q_pe.contiguous()), kv_cache=cache)  # [T, H, R]
         project_values(o_lat, w_vc, out)
 
@@ -464,11 +466,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._ragged.run(q, k, v, out=out[:n])
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, q_lat: torch.Tensor | None = None) -> None:
         if self._on_device or self._decode is None:  # planned on the device, or a small decode step
-            self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
+            self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch, q_lat)
             return
-        self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out)
+        self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out, q_lat)
 
 
 class AutoFlashInferAttentionBackend(FlashInferAttentionBackend):

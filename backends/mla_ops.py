@@ -12,9 +12,13 @@ orders the write before the read.
     rope_cache_write(positions, q_pe, kv_c, k_pe, cos_sin,     RoPE of q_pe and k_pe, and the cache
                      cache, interleaved[, kv_norm_weight,      write, in one op (passes/ fuse to it;
                      eps]) -> q_pe_rot                         with the kv norm in front)
+    rope_absorb(positions, q_nope, q_pe, kv_c, k_pe, cos_sin,  the same and the latent query
+                w_kc, cache, interleaved[, ...])               q_nope·w_kc (DECODE graphs: one launch
+                -> (q_pe_rot, q_lat)                           at one token)
     mla_attention(q_nope, q_pe, w_kc, w_vc, cache, out)        generic: both branches of the step
     mla_prefill(...same...)                                    rows [:num_extends] (MHA branch)
-    mla_decode(...same...)                                     rows [num_extends:] (absorbed branch)
+    mla_decode(...same...[, q_lat])                            rows [num_extends:] (absorbed branch;
+                                                               q_lat: the latent query, if computed)
 
 ``mla_attention`` is what the model emits (through ``latent_attention``); the dispatch-split pass
 lowers it, per graph key, into ``mla_prefill`` over the first ``num_extend_tokens`` tokens and
@@ -28,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from encore.backends.context import current_step
-from encore.backends.dense import rms_norm
+from encore.backends.dense import absorb_query, rms_norm, runs_batched_gemv
 from encore.backends.rope import apply_rotary
 
 
@@ -95,6 +99,41 @@ def _(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: tor
     return torch.empty_like(q_pe)
 
 
+@torch.library.custom_op("encore::rope_absorb", mutates_args=("cache",))
+def rope_absorb(positions: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor, cos_sin: torch.Tensor, w_kc: torch.Tensor, cache: torch.Tensor, interleaved: bool,
+                kv_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cache_write`` and the latent query q_nope [T, H, dn] · w_kc [H, dn, R] per head [T, H, R]
+    (contiguous, q_nope's dtype), which the decode then takes as it is (passes/fuse_rope_absorb.py):
+    (rope(q_pe), q_lat). The torch reference: ``rope_cache_write`` and an einsum."""
+    q_rot = rope_cache_write(positions, q_pe, kv_c, k_pe, cos_sin, cache, interleaved, kv_norm_weight, eps)
+    return q_rot, torch.einsum("thd,hdr->thr", q_nope, w_kc.to(q_nope.dtype)).contiguous()
+
+
+@rope_absorb.register_kernel("cuda")
+def _(positions: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+      cos_sin: torch.Tensor, w_kc: torch.Tensor, cache: torch.Tensor, interleaved: bool,
+      kv_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    from encore.backends.rope_cache_triton import rope_absorb_triton, rope_cache_write_triton
+
+    batch = current_step().batch
+    _check_tokens("q_pe", q_pe, batch.num_tokens)
+    if (q_nope.shape[0] == 1 and runs_batched_gemv(1, w_kc) and w_kc.stride(-1) == 1
+            and w_kc.dtype == q_nope.dtype == q_pe.dtype):  # one launch (rope_cache_triton.py)
+        return rope_absorb_triton(positions, q_nope, q_pe, kv_c, k_pe, cos_sin, w_kc, cache, batch.slot_mapping,
+                                  interleaved, kv_norm_weight, eps)
+    q_rot = rope_cache_write_triton(positions, q_pe, kv_c, k_pe, cos_sin, cache, batch.slot_mapping, interleaved,
+                                    kv_norm_weight, eps)
+    return q_rot, absorb_query(q_nope, w_kc)
+
+
+@rope_absorb.register_fake
+def _(positions: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+      cos_sin: torch.Tensor, w_kc: torch.Tensor, cache: torch.Tensor, interleaved: bool,
+      kv_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q_pe), q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_kc.shape[2])
+
+
 @torch.library.custom_op("encore::mla_attention", mutates_args=("out",))
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                   cache: torch.Tensor, out: torch.Tensor) -> None:
@@ -115,16 +154,18 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_
 
 @torch.library.custom_op("encore::mla_decode", mutates_args=("out",))
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-               cache: torch.Tensor, out: torch.Tensor) -> None:
-    """The decode rows' tokens (the last num_decodes * q_len_per_req of the step)."""
+               cache: torch.Tensor, out: torch.Tensor, q_lat: torch.Tensor | None = None) -> None:
+    """The decode rows' tokens (the last num_decodes * q_len_per_req of the step). ``q_lat``: their
+    latent query q_nope · w_kc where the graph computed it (``rope_absorb``)."""
     ctx = current_step()
     batch = ctx.batch
     _check_tokens("q_nope", q_nope, batch.num_decodes * batch.q_len_per_req)
-    ctx.backend.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch)
+    ctx.backend.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch, q_lat=q_lat)
 
 
-for _op in (mla_attention, mla_prefill, mla_decode):
+for _op in (mla_attention, mla_prefill):
     _op.register_fake(lambda q_nope, q_pe, w_kc, w_vc, cache, out: None)
+mla_decode.register_fake(lambda q_nope, q_pe, w_kc, w_vc, cache, out, q_lat=None: None)
 
 
 def latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,

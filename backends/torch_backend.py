@@ -45,7 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
         out.copy_(o.transpose(0, 1))  # [n, H, dv]
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, q_lat: torch.Tensor | None = None) -> None:
+        # The reference absorbs in float32 itself: a given q_lat (rounded to the model's dtype) is not used.
         rank = self.dims.kv_lora_rank
         rows, q_len = batch.num_decodes, batch.q_len_per_req
         pages = batch.page_table[batch.num_extends:]  # [B, P]

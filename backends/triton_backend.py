@@ -79,14 +79,16 @@ class TritonAttentionBackend(AttentionBackend):
                     self.dims.softmax_scale, out)
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+               cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, q_lat: torch.Tensor | None = None) -> None:
         self._absorbed(q_nope, q_pe, w_kc, w_vc, cache, out, batch.page_table[batch.num_extends:],
-                       batch.seq_lens[batch.num_extends:], batch.q_len_per_req)
+                       batch.seq_lens[batch.num_extends:], batch.q_len_per_req, q_lat)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                   cache: torch.Tensor, out: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor,
-                  q_len: int) -> None:
-        """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B]."""
-        q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]
+                  q_len: int, q_lat: torch.Tensor | None = None) -> None:
+        """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B];
+        ``q_lat``: their latent query, if already computed."""
+        if q_lat is None:
+            q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]
         mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, out,
                    w_vc=w_vc.to(q_lat.dtype))

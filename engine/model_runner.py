@@ -246,7 +246,8 @@ class ModelRunner:
         exponential race (one variant), top-k / top-p search (with and without top-k's phase) and greedy
         pick (per logits dtype: the model's, and float32 in the sampler). Each step runs on the dummy page
         (``scratch_batch``). What only compiled graphs launch (the norms passes/fuse_norms.py folds into
-        the GEMVs, the router and the RoPE kernel) compiled when ``prepare_graphs`` ran every key."""
+        the GEMVs, the router and the RoPE kernel; one token's RoPE with its latent query,
+        passes/fuse_rope_absorb.py) compiled when ``prepare_graphs`` ran every key."""
         if self.device.type != "cuda":
             return 0
         from encore.backends import argmax_triton, gemv_triton, sampling_triton, truncation_triton

@@ -54,3 +54,18 @@ def test_rope_cache_write_on_cpu_is_rotary_then_write():
     assert torch.equal(q_rot, want_q)
     assert torch.equal(cache.view(-1, 10)[batch.slot_mapping], torch.cat([kv_c, want_k], dim=-1))
     assert cache.view(-1, 10)[:4].abs().sum() == 0  # nothing outside the step's slots
+
+
+def test_rope_absorb_on_cpu_is_rope_cache_write_and_the_latent_query():
+    torch.manual_seed(0)
+    batch = tiny_batch(3)
+    q_nope, q_pe, kv_c, k_pe = torch.randn(3, 2, 5), torch.randn(3, 2, 4), torch.randn(3, 6), torch.randn(3, 4)
+    cos_sin, w_kc, norm = torch.randn(8, 4), torch.randn(2, 5, 6), torch.rand(6) + 0.5
+    cache, want_cache = torch.zeros(3, 4, 10), torch.zeros(3, 4, 10)
+    with StepContext(backend=None).bind(batch):
+        q_rot, q_lat = torch.ops.encore.rope_absorb(batch.positions, q_nope, q_pe, kv_c, k_pe, cos_sin, w_kc, cache,
+                                                    False, norm, 1e-6)
+        want_rot = torch.ops.encore.rope_cache_write(batch.positions, q_pe, kv_c, k_pe, cos_sin, want_cache, False,
+                                                     norm, 1e-6)
+    assert torch.equal(q_rot, want_rot) and torch.equal(cache, want_cache)
+    assert q_lat.is_contiguous() and torch.allclose(q_lat, torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1))
