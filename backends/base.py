@@ -123,5 +123,6 @@ class AttentionBackend(abc.ABC):
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, q_lat: torch.Tensor | None = None) -> None:
         """Absorbed MLA over the latent cache for rows [num_extends:], each q_len_per_req tokens.
-        ``q_lat`` [T, H, R] contiguous: the latent query ``dense.absorb_query(q_nope, w_kc)``, already
-        computed (``mla_ops.rope_absorb``); the backend then does not absorb again."""
+        ``q_lat`` [T, H, R] contiguous: the latent query q_nope · w_kc, already computed
+        (``mla_ops.rope_absorb``), which the Triton and flashinfer backends take instead of absorbing
+        again; the torch reference absorbs in float32 itself."""
