@@ -114,17 +114,15 @@ def rope_absorb(positions: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tenso
 def _(positions: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
       cos_sin: torch.Tensor, w_kc: torch.Tensor, cache: torch.Tensor, interleaved: bool,
       kv_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    from encore.backends.rope_cache_triton import rope_absorb_triton, rope_cache_write_triton
+    from encore.backends.rope_cache_triton import rope_absorb_triton
 
+    if q_nope.shape[0] != 1 or not runs_batched_gemv(1, w_kc):  # the two kernels, as the decode did
+        q_rot = rope_cache_write(positions, q_pe, kv_c, k_pe, cos_sin, cache, interleaved, kv_norm_weight, eps)
+        return q_rot, absorb_query(q_nope, w_kc)
     batch = current_step().batch
     _check_tokens("q_pe", q_pe, batch.num_tokens)
-    if (q_nope.shape[0] == 1 and runs_batched_gemv(1, w_kc) and w_kc.stride(-1) == 1
-            and w_kc.dtype == q_nope.dtype == q_pe.dtype):  # one launch (rope_cache_triton.py)
-        return rope_absorb_triton(positions, q_nope, q_pe, kv_c, k_pe, cos_sin, w_kc, cache, batch.slot_mapping,
-                                  interleaved, kv_norm_weight, eps)
-    q_rot = rope_cache_write_triton(positions, q_pe, kv_c, k_pe, cos_sin, cache, batch.slot_mapping, interleaved,
-                                    kv_norm_weight, eps)
-    return q_rot, absorb_query(q_nope, w_kc)
+    return rope_absorb_triton(positions, q_nope, q_pe, kv_c, k_pe, cos_sin, w_kc, cache, batch.slot_mapping,
+                              interleaved, kv_norm_weight, eps)  # one launch (rope_cache_triton.py)
 
 
 @rope_absorb.register_fake

@@ -34,12 +34,11 @@ class FuseRopeAbsorb:
         self.matches = 0
         for decode in find_op_nodes(graph, encore.mla_decode.default):
             q_nope, rope, w_kc, w_vc, cache, out = decode.args
-            if (not is_op(rope, encore.rope_cache_write.default) or decode.kwargs or len(rope.users) != 1
-                    or rope.args[5] is not cache or rope.kwargs):
+            if not is_op(rope, encore.rope_cache_write.default) or decode.kwargs or rope.kwargs or len(rope.users) != 1:
                 continue
-            if any(cache in n.all_input_nodes for n in nodes_between(rope, decode)):
+            positions, q_pe, kv_c, k_pe, cos_sin, rope_cache, interleaved, *norm = rope.args
+            if rope_cache is not cache or any(cache in n.all_input_nodes for n in nodes_between(rope, decode)):
                 continue
-            positions, q_pe, kv_c, k_pe, cos_sin, _, interleaved, *norm = rope.args
             with graph.inserting_before(decode):
                 fused = call(graph, encore.rope_absorb.default, positions, q_nope, q_pe, kv_c, k_pe, cos_sin, w_kc,
                              cache, interleaved, *norm)
