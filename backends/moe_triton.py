@@ -11,17 +11,17 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
     sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
 
 One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
-nothing to group, and the gate_up and down programs of pair j read expert ids[j] themselves (gate_up's
-fused shared-expert pairs know theirs). It has no sum launch either: each down program counts its
-arrival on its column block (an atomic counter the gate_up kernel zeroed), and the block's last
-program sums the k pairs' values, so a decode step's MoE is two launches. On sm90+ both launch as
-programmatic dependents: gate_up while the routing selection runs (which releases it once its own
-wait returns), its routed pairs' programs waiting before they read or write anything and its shared
-pairs' programs reading x and their weights first and waiting only before they write; down, which
-waits at its top, as gate_up's weight reads end (session 23 had each kernel release the next at its
-start, and the step got slower; benchmarks/README.md, "Session 30"). Down releases the kernel after
-it as its own weight reads end, before its stores and the pair sum: that kernel must wait before it
-reads or writes memory (graphs/compiler.inductor_patches).
+nothing to group: gate_up's programs of pair j read expert ids[j] themselves (its fused shared-expert
+pairs know theirs), and every down program reads all the pairs' ids. It has no sum launch
+either: each down program computes a block of hidden columns for all k pairs and sums them itself,
+so a decode step's MoE is two launches. On sm90+ both launch as programmatic dependents: gate_up
+while the routing selection runs (which releases it once its own wait returns), its routed pairs'
+programs waiting before they read or write anything and its shared pairs' programs reading x and
+their weights first and waiting only before they write; down, which waits at its top, as gate_up's
+weight reads end (session 23 had each kernel release the next at its start, and the step got
+slower; benchmarks/README.md, "Session 30"). Down releases the kernel after it as its own weight
+reads end, before the pair sum and its stores: that kernel must wait before it reads or writes
+memory (graphs/compiler.inductor_patches).
 
 Alignment: expert e owns the slots starts[e]..starts[e] + cdiv(count_e, BM)·BM; its pairs fill them
 in pair order and the rest hold the sentinel T·k. With at most m = min(E, T·k) experts chosen, the
@@ -34,8 +34,7 @@ release the next kernel as their weight reads end, and the sum releases the kern
 has read its pairs.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
-the k pairs runs in a fixed order (the one-token arrival counter only picks which program sums, not
-how), with no atomic adds of values, so the result does not depend on scheduling.
+the k pairs runs in a fixed order, with no atomics, so the result does not depend on scheduling.
 Dots accumulate in float32 (float32 inputs in IEEE precision, so they can match a float32
 reference); the intermediate is stored in the input dtype, as the reference computes it.
 """
@@ -118,8 +117,9 @@ def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OneTokenConfig:
-    """The one-token kernels' tiles: gate_n / down_n output columns per program (gate_up computes
-    gate_n of gate and of up), block_k the reduction tile; powers of two of at least 16."""
+    """The one-token kernels' tiles: gate_n output columns per gate_up program (of gate and of up),
+    down_n hidden columns per down program (of every pair: its dot is pairs · down_n wide), block_k
+    the reduction tile; powers of two, of at least 16 but for down_n."""
 
     gate_n: int
     down_n: int
@@ -128,13 +128,18 @@ class OneTokenConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_tiles(self.gate_n, self.down_n, self.block_k, self.num_warps, self.num_stages)
+        _check_tiles(self.gate_n, 16, self.block_k, self.num_warps, self.num_stages)
+        _check(self.down_n >= 1 and not self.down_n & (self.down_n - 1),
+               f"down_n={self.down_n}: must be a power of two")
 
 
 # The tiles the blocked kernels had for one token, so the output is the same bit for bit. V2-Lite, bf16,
 # H200, 26 layers a CUDA graph: 39.4 µs a layer against 43.3 with the alignment, copy-bandwidth floor
 # 32.8 µs; of 12 tile settings tried (bench_moe.py --sweep --tokens 1 sweeps more) none was faster.
-ONE_TOKEN = OneTokenConfig(gate_n=32, down_n=32, block_k=64, num_warps=4, num_stages=5)
+# down_n 8: 256 down programs of every pair's 8 columns, the fastest of 8/16/32 columns × 3/4/5 stages
+# (24 stand-in decode layers with their GEMVs and router, H200: 50.3 µs a layer, the same as the
+# per-pair programs with an arrival counter they replaced, and the same bits; benchmarks/README.md).
+ONE_TOKEN = OneTokenConfig(gate_n=32, down_n=8, block_k=64, num_warps=4, num_stages=5)
 
 
 def config_token_counts(max_tokens: int) -> tuple[int, ...]:
@@ -320,10 +325,9 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
 
 @kernel_variants.watched
 @triton.jit
-def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOWN_BLOCKS: tl.constexpr,
-                              BLOCK_DOWN: tl.constexpr, ROUTED: tl.constexpr, FIRST_SHARED: tl.constexpr,
-                              PDL: tl.constexpr):
+def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ROUTED: tl.constexpr,
+                              FIRST_SHARED: tl.constexpr, PDL: tl.constexpr):
     # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
     # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
     # Pairs ROUTED.. are the fused shared experts FIRST_SHARED.., the same for every token: as
@@ -356,47 +360,49 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, ARRIVED, H: tl.constexpr, I: t
     if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads end
         tl.extra.cuda.gdc_launch_dependents()
         if not routed:  # the selection may still run, reading the router's logits, memory that the
-            # route op freed on return and that INTER or ARRIVED may reuse
+            # route op freed on return and that INTER may reuse
             tl.extra.cuda.gdc_wait()
-    if (pair == 0) & (tl.program_id(1) == 0):  # the down kernel's arrival counters, one per column block
-        blocks = tl.arange(0, BLOCK_DOWN)
-        tl.store(ARRIVED + blocks, tl.zeros([BLOCK_DOWN], tl.int32), mask=blocks < DOWN_BLOCKS)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
     tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
 
 
 @kernel_variants.watched
 @triton.jit
-def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, PER_PAIR, ARRIVED, OUT, H: tl.constexpr, I: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                           PAIRS: tl.constexpr, PDL: tl.constexpr):
+def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, OUT, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    # Program b: hidden columns b·BLOCK_N.. of every pair, so no other program holds a part of its sum.
+    # One dot a K tile: A's rows are the pairs' intermediates (row j: pair j's; BLOCK_M >= 16 rows, as
+    # tl.dot needs), B's columns every pair's BLOCK_N rows of its expert's W2 (column j·BLOCK_N + c: pair
+    # j's row c), and pair j's values are A's row j against its own columns, each element the same sum
+    # over K that a tile of pair j alone computes. The other products are wasted, free at these sizes.
     if PDL:  # launched as a programmatic dependent: nothing is read or written before gate_up finished
         tl.extra.cuda.gdc_wait()
-    pair = tl.program_id(0)
-    block = tl.program_id(1)
-    row = tl.arange(0, 16)[:, None]  # the token in row 0, as in the gate_up kernel
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
-    n_ok = n < H
-    w = W2 + tl.load(IDS + pair) * (H * I)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    col = tl.arange(0, BLOCK_P * BLOCK_N)  # [P·N]
+    col_pair = col // BLOCK_N
+    n = tl.program_id(0) * BLOCK_N + col % BLOCK_N  # the hidden column of each of B's columns
+    col_ok = (col_pair < PAIRS) & (n < H)
+    w_rows = W2 + tl.load(IDS + col_pair, mask=col_pair < PAIRS, other=0) * (H * I) + n * I  # [P·N]
+    row = tl.arange(0, BLOCK_M)  # A's rows: the pairs, then zeros
+    acc = tl.zeros([BLOCK_M, BLOCK_P * BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < I
-        a = tl.load(INTER + pair * I + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0)  # [16, K]
-        w_down = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [N, K]
+        a = tl.load(INTER + row[:, None] * I + k[None, :], mask=(row < PAIRS)[:, None] & k_ok[None, :],
+                    other=0.0)  # [M, K]
+        w_down = tl.load(w_rows[:, None] + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [P·N, K]
         acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
     if PDL:  # the kernel after (the next layer's first GEMV) reads its weight under this one's tail
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(PER_PAIR + pair * H + row * 0 + n[None, :], acc * tl.load(WEIGHTS + pair),
-             mask=(row == 0) & n_ok[None, :])
-    # Every thread's store above comes before the arrival (the barrier), and the arrival releases them;
-    # the block's last program acquires the others' and reads them past L1 (.cg).
-    tl.debug_barrier()
-    if tl.atomic_add(ARRIVED + block, 1, sem="acq_rel", scope="gpu") == PAIRS - 1:
-        total = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(PAIRS):  # pair order, as _sum_pairs_kernel: the same sum on every run
-            total += tl.load(PER_PAIR + j * H + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-        tl.store(OUT + n, total.to(OUT.dtype.element_ty), mask=n_ok)
+    route = tl.load(WEIGHTS + row, mask=row < PAIRS, other=0.0)  # [M] routing weight of each pair
+    own = tl.where(row[:, None] == col_pair[None, :], acc * route[:, None], 0.0)  # [M, P·N]
+    per_pair = tl.reshape(tl.sum(own, axis=0), [BLOCK_P, BLOCK_N])  # [P, N], weighted (plus zeros: exact)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    j = tl.arange(0, BLOCK_P)[:, None]
+    for p in tl.static_range(PAIRS):  # pair order, as _sum_pairs_kernel: the same sum on every run
+        total += tl.sum(tl.where(j == p, per_pair, 0.0), axis=0)
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(OUT + c, total.to(OUT.dtype.element_ty), mask=c < H)
 
 
 def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -406,19 +412,16 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     inter, hidden = w2.shape[2], x.shape[1]
     launch = dict(BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype), num_warps=config.num_warps,
                   num_stages=config.num_stages)
-    down_blocks = triton.cdiv(hidden, config.down_n)
-    arrived = torch.empty(down_blocks, dtype=torch.int32, device=x.device)  # zeroed by the gate_up kernel
     intermediate = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [k, I]
     pdl = pdl_supported(x.device)
     _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
-        x, w13, ids, intermediate, arrived, H=hidden, I=inter, BLOCK_N=config.gate_n, DOWN_BLOCKS=down_blocks,
-        BLOCK_DOWN=triton.next_power_of_2(down_blocks), ROUTED=pairs - num_shared,
+        x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=config.gate_n, ROUTED=pairs - num_shared,
         FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, launch_pdl=pdl, **launch)
-    per_pair = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [k, H], weighted
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    _one_token_down_kernel[(pairs, down_blocks)](
-        intermediate, w2, ids, weights, per_pair, arrived, out, H=hidden, I=inter, BLOCK_N=config.down_n,
-        PAIRS=pairs, PDL=pdl, launch_pdl=pdl, **launch)
+    block_p = max(triton.next_power_of_2(pairs), triton.cdiv(16, config.down_n))  # a dot at least 16 wide
+    _one_token_down_kernel[(triton.cdiv(hidden, config.down_n),)](
+        intermediate, w2, ids, weights, out, H=hidden, I=inter, BLOCK_N=config.down_n, PAIRS=pairs,
+        BLOCK_P=block_p, BLOCK_M=max(16, block_p), PDL=pdl, launch_pdl=pdl, **launch)
     return out
 
 
