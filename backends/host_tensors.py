@@ -45,12 +45,15 @@ def view_at(typed: torch.Tensor, offset: int, count: int) -> torch.Tensor:
     return typed[start:start + count]
 
 
-def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
+def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device | str,
+           stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
     """1-D tensors on ``device`` of each (values, dtype) in ``parts``, in one host-to-device copy: the
     parts are packed back to back (each at an 8-byte-aligned offset) into one host buffer, and the
     device copy of it is cut into views of the parts' dtypes. The copy does not wait for the device
     (``torch.tensor(values, device=cuda)`` does: a step that sent its lists that way stalled the host
-    on its own forward, session 39)."""
+    on its own forward, session 39). ``stream``: the copy is issued there, so that it need not wait
+    behind the work already queued on the current stream, which then waits for it (and keeps its
+    memory from being handed out again until done with it)."""
     offsets, total = [], 0
     for values, dtype in parts:
         offsets.append(total)
@@ -59,6 +62,17 @@ def upload(parts: Sequence[tuple[Sequence, torch.dtype]], device: torch.device |
     view = memoryview(host)
     for (values, dtype), offset in zip(parts, offsets):
         put(view, offset, values, dtype)
-    on_device = torch.frombuffer(host, dtype=torch.uint8).to(device, non_blocking=True)
+    on_device = _copy(torch.frombuffer(host, dtype=torch.uint8), torch.device(device), stream)
     typed = {dtype: on_device.view(dtype) for _, dtype in parts}
     return [view_at(typed[dtype], offset, len(values)) for (values, dtype), offset in zip(parts, offsets)]
+
+
+def _copy(host: torch.Tensor, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    if stream is None:
+        return host.to(device, non_blocking=True)
+    with torch.cuda.stream(stream):
+        on_device = host.to(device, non_blocking=True)
+    consumer = torch.cuda.current_stream(device)
+    on_device.record_stream(consumer)  # its memory is not handed out again before the consumer is done
+    consumer.wait_stream(stream)
+    return on_device

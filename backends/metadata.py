@@ -89,9 +89,9 @@ class ForwardBatch(StepShape):
     ``qo_indptr`` (``[bs + 1]`` token offsets), ``page_table`` (``[bs, max_pages]``, unused entries 0).
     ``gather_ids`` selects the logits rows: the last token of each prefill row that completes its
     prompt, then every token of every decode row.
-    The ``*_cpu`` lists are the host values the step was built from: a graph key's padded step is
-    written from them in one host-to-device copy per dtype (graphs/padding.py). A batch built on the
-    device (a draft step) has none of the per-token ones and cannot be padded to a key.
+    The ``*_cpu`` lists are the host values the step was built from (``page_table_cpu``: each row's
+    pages, unpadded): a graph key's padded step is written from them (graphs/padding.py). A batch built
+    on the device (a draft step) has none of the per-token ones and cannot be padded to a key.
     ``pending``: decode tokens whose ids are still on the device, in ``input_ids`` once
     ``resolve_pending`` (or, padded, ``StepBuffers.fill``) has run.
     """
@@ -115,6 +115,7 @@ class ForwardBatch(StepShape):
     positions_cpu: list[int] | None = None
     slot_mapping_cpu: list[int] | None = None
     qo_indptr_cpu: list[int] | None = None
+    page_table_cpu: list[list[int]] | None = None
     pending: PendingInputs | None = None
 
     def resolve_pending(self) -> None:

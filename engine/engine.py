@@ -238,7 +238,7 @@ class Engine:
     def _speculative_step(self, step: ScheduledStep) -> list[RequestOutput]:
         spec = self.speculator
         spec.prepare(step)
-        batch, sampled = build_forward_batch(step, self.kv, self.runner.device)
+        batch, sampled = build_forward_batch(step, self.kv, self.runner.device, stream=self.runner.upload_stream)
         self._steps[batch.mode.value] += 1
         groups = [(r.grammar, [], self._ban(r)) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
         groups += [(r.grammar, r.draft_token_ids, self._ban(r)) for r in step.decodes]
@@ -258,7 +258,8 @@ class Engine:
         in_flight, self._in_flight = self._in_flight, None
         device = self.runner.device
         batch, sampled = build_forward_batch(step, self.kv, device,
-                                             in_flight.token_ids if in_flight is not None else None)
+                                             in_flight.token_ids if in_flight is not None else None,
+                                             self.runner.upload_stream)
         self._steps[batch.mode.value] += 1
         settled: list[RequestOutput] = []
 

@@ -187,6 +187,8 @@ class ModelRunner:
         self.graphs = self._graph_runner(config, cache) if cache is not None else None
         self.graph_cache = cache if self.graphs is not None else None
         self.heads: HeadGraphs | None = None  # captured with the target's graphs (prepare_graphs)
+        # Where a step's batch is sent to the device (engine.step.pack_batch); None: the current stream.
+        self.upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.eager_steps = 0
         self.kernel_variants_at_start: int | None = None  # set by warm_up_kernels
 

@@ -15,8 +15,10 @@ from encore.engine.scheduler import ScheduledStep
 
 
 def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.device,
-                        in_flight: torch.Tensor | None = None) -> tuple[ForwardBatch, list[Request]]:
-    """Returns the batch and, per logits row, the request it samples for.
+                        in_flight: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None
+                        ) -> tuple[ForwardBatch, list[Request]]:
+    """Returns the batch and, per logits row, the request it samples for; ``stream``: where its upload
+    runs (``pack_batch``).
 
     Prefill rows produce a logits row only when the chunk completes the request's pending tokens;
     decode rows feed their last token plus ``q_len_per_req - 1`` draft tokens and produce a logits
@@ -79,7 +81,7 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     gather_ids += range(first, first + q * num_decodes)
     sampled += step.decodes if q == 1 else [req for req in step.decodes for _ in range(q)]
     batch = pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
-                       prefix_lens, qo_indptr, tables, gather_ids, device)
+                       prefix_lens, qo_indptr, tables, gather_ids, device, stream)
     if pending_tokens:
         batch.pending = PendingInputs(pending_tokens, in_flight, pending_rows)
     return batch, sampled
@@ -87,17 +89,23 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
 
 def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: list[int], positions: list[int],
                slots: list[int], seq_lens: list[int], prefix_lens: list[int], qo_indptr: list[int],
-               tables: list[list[int]], gather_ids: list[int], device: torch.device) -> ForwardBatch:
-    """The step layout from its host lists, in one host-to-device copy (``host_tensors.upload``) split
-    into views on the device; page-table rows are padded with 0 to the longest."""
+               tables: list[list[int]], gather_ids: list[int], device: torch.device,
+               stream: torch.cuda.Stream | None = None) -> ForwardBatch:
+    """The step layout from its host lists, in one host-to-device copy (``host_tensors.upload``, on
+    ``stream`` if given) split into views on the device; page-table rows are padded with 0 to the
+    longest. ``tables`` are copied (a request's table is the KV manager's own list, which grows).
+    A step that replays a graph key reads none of these device tensors when all its rows are greedy
+    (graphs/padding.py writes the key's buffers from the host lists), so on CUDA the engine sends them
+    on a stream of their own, where the copy need not wait behind the step before."""
     max_pages = max((len(t) for t in tables), default=0)
+    rows = [list(t) for t in tables]
     flat_table: list[int] = []  # [bs * max_pages]
-    for t in tables:
+    for t in rows:
         flat_table += t
         flat_table += [0] * (max_pages - len(t))
     tokens, bs = len(input_ids), len(seq_lens)
     longs, ints = upload([(input_ids + positions + slots + gather_ids, torch.int64),
-                          (seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32)], device)
+                          (seq_lens + prefix_lens + qo_indptr + flat_table, torch.int32)], device, stream)
     return ForwardBatch(
         num_extends=num_extends,
         q_len_per_req=q_len_per_req,
@@ -118,6 +126,7 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
         positions_cpu=positions,
         slot_mapping_cpu=slots,
         qo_indptr_cpu=qo_indptr,
+        page_table_cpu=rows,
     )
 
 

@@ -40,15 +40,21 @@ class StepBuffers:
     One device buffer holds a step's fields at fixed offsets, S being the largest key's tokens rounded
     up to 8: the input ids (int64, at 0), then a key's per-row fields as consecutive int32 slices
     (seq_lens [0, bs), prefix_lens [bs, 2bs), qo_indptr [2bs, 3bs + 1)) in a region of R bytes, then
-    the positions and the slots (int64, S each). One host buffer mirrors it, so a step is written into
-    the host buffer from the batch's lists and arrives in one host-to-device copy, up to the last slot
-    (each copy is ~10 µs of host time on an H100 host, and a pageable source is free again once the
-    call returns). The page table is its own [rows, pages] buffer, written on the device from the
-    batch's table (as wide as the step's longest row, where the key's may be wider). The ids and
-    positions, a compiled graph's inputs, sit at the same offsets for every key, the ids at 0 as in a
-    step built by ``engine.step.pack_batch`` (a guard on a view's storage offset then holds for all of
-    a family's keys, and for the unpadded steps it runs), the others 64-byte aligned. A key's views of
-    the fields are made once and handed out again.
+    the positions and the slots (int64, S each), then room for page-table writes (below). One host
+    buffer mirrors it, so a step is written into the host buffer from the batch's lists and arrives in
+    one host-to-device copy, up to its last byte (each copy is ~10 µs of host time on an H100 host,
+    and a pageable source is free again once the call returns). The ids and positions, a compiled
+    graph's inputs, sit at the same offsets for every key, the ids at 0 as in a step built by
+    ``engine.step.pack_batch`` (a guard on a view's storage offset then holds for all of a family's
+    keys, and for the unpadded steps it runs), the others 64-byte aligned. A key's views of the fields
+    are made once and handed out again.
+
+    The page table is its own [rows, pages] buffer, every row its pages and then the dummy page (as
+    ``ForwardBatch.page_table`` promises; a padded row is all dummy page). The host keeps what each
+    row holds and a step writes only the entries that change: none while the rows keep their requests
+    and pages (most decode steps), a row's new page, the rows of a request that arrived. Those entries'
+    flat indices and values ride in the same copy and one indexed write puts them in place (before
+    session 46 every step filled the rows with the dummy page and copied its table in: two launches).
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_pages: int, page_size: int, device: torch.device,
@@ -62,9 +68,11 @@ class StepBuffers:
         self.stride = -(-max_tokens // 8) * 8
         field = 8 * self.stride
         ints_bytes = -(-(3 * max_rows + 1) * 4 // 64) * 64
-        # Byte offsets of the ids, the per-row ints, the positions and the slots.
-        self._at = (0, field, field + ints_bytes, 2 * field + ints_bytes)
-        size = 3 * field + ints_bytes
+        entries = max_rows * max_pages  # page-table writes at most: every entry of every row
+        # Byte offsets of the ids, the per-row ints, the positions, the slots and the page-table writes'
+        # flat indices (int64); their values (int32) follow the indices of a step.
+        self._at = (0, field, field + ints_bytes, 2 * field + ints_bytes, 3 * field + ints_bytes)
+        size = 3 * field + ints_bytes + -(-12 * entries // 8) * 8  # whole int64s: the buffer is viewed as them
         self._data = torch.zeros(size, dtype=torch.uint8, device=device)
         # Whole-buffer views per dtype, made here: a dtype view made under inference mode (as ``fill``
         # runs) would be an inference tensor, whose dispatch keys a compiled graph's guards tell apart
@@ -73,7 +81,8 @@ class StepBuffers:
         host = bytearray(size)
         self._host_bytes = memoryview(host)
         self._host_tensor = torch.frombuffer(host, dtype=torch.uint8)
-        self.page_table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self.page_table = torch.full((max_rows, max_pages), DUMMY_PAGE, dtype=torch.int32, device=device)
+        self._table_rows: list[list[int]] = [[] for _ in range(max_rows)]  # each row's pages on the device
         self._views: dict[GraphKey, tuple[torch.Tensor, ...]] = {}  # a key's fields
         self._no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
 
@@ -106,23 +115,27 @@ class StepBuffers:
                 + [offset + bucket for offset in qo[e + 1:]]  # real decode rows start after the bucket
                 + list(range(dec_end + q, T + 1, q)))
         # Each field at its offset in the host buffer; what lies between them is never read.
-        host, (ids_at, ints_at, positions_at, slots_at) = self._host_bytes, self._at
+        host, (ids_at, ints_at, positions_at, slots_at, writes_at) = self._host_bytes, self._at
         put(host, ids_at, ids[:n] + [0] * bucket + ids[n:] + [0] * (T - dec_end), torch.int64)
         put(host, ints_at, ints, torch.int32)
         put(host, positions_at, positions[:n] + [0] * bucket + positions[n:] + pad_positions, torch.int64)
         pad_slots = [dummy + p % self.page_size for p in pad_positions]
         put(host, slots_at, slots[:n] + [dummy] * bucket + slots[n:] + pad_slots, torch.int64)
+        tables = [] if batch is None else batch.page_table_cpu
+        if tables is None:
+            raise ValueError("a step without host page tables cannot be padded to a graph key")
+        index, values = self._table_writes(tables[:e] + [[]] * (E - e) + tables[e:] + [[]] * pad_rows)
         end = slots_at + 8 * T
+        if index:
+            put(host, writes_at, index, torch.int64)
+            put(host, writes_at + 8 * len(index), values, torch.int32)
+            end = writes_at + 12 * len(index)
         self._data[:end].copy_(self._host_tensor[:end], non_blocking=True)
+        if index:
+            writes = view_at(self._typed[torch.int64], writes_at, len(index))
+            self.page_table.view(-1)[writes] = view_at(self._typed[torch.int32], writes_at + 8 * len(index),
+                                                       len(values))
         table = self.page_table
-        table[:bs, :width].fill_(DUMMY_PAGE)
-        if batch is not None:
-            used = batch.page_table.shape[1]
-            if E == e:
-                table[:e + D, :used].copy_(batch.page_table)
-            else:
-                table[:e, :used].copy_(batch.page_table[:e])
-                table[E:E + D, :used].copy_(batch.page_table[e:])
         views = self._views.get(key)
         if views is None:
             longs, ints32 = self._typed[torch.int64], self._typed[torch.int32]
@@ -140,6 +153,27 @@ class StepBuffers:
             gather_ids=padded_index(batch, key, batch.gather_ids) if batch is not None else self._no_tokens,
             seq_lens_cpu=ints[:bs], prefix_lens_cpu=ints[bs:2 * bs],
         )
+
+    def _table_writes(self, rows: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The page-table entries to write so that row i holds ``rows[i]``, then the dummy page: (flat
+        indices, values), from where each row's new pages part from what it holds to the end of the
+        longer of the two. Records the rows as written (kept as given: a step's ``page_table_cpu`` is its
+        own copy, engine.step.pack_batch)."""
+        index: list[int] = []
+        values: list[int] = []
+        for r, (new, old) in enumerate(zip(rows, self._table_rows)):
+            if new == old:
+                continue
+            if len(new) > self.max_pages:
+                raise ValueError(f"row {r} has {len(new)} pages; the graph buffers hold {self.max_pages}")
+            same = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
+            end = max(len(new), len(old))
+            base = r * self.max_pages
+            index += range(base + same, base + end)
+            values += new[same:]
+            values += [DUMMY_PAGE] * (end - max(same, len(new)))
+            self._table_rows[r] = new
+        return index, values
 
 
 def padded_index(batch: ForwardBatch, key: GraphKey, token_ids: torch.Tensor) -> torch.Tensor:

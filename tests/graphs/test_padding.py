@@ -10,6 +10,7 @@ import torch
 
 from encore.engine.kv_cache import DUMMY_PAGE
 from encore.graphs.keys import GraphKey
+from encore.engine.step import pack_batch
 from encore.graphs.padding import StepBuffers, padded_index
 from graph_helpers import PADDED_KEYS, engine_with_history, rel_err
 
@@ -111,3 +112,41 @@ def test_a_step_built_on_the_device_cannot_be_padded(history):
     batch = dataclasses.replace(batches["DECODE"], input_ids_cpu=None)
     with pytest.raises(ValueError, match="built on the device"):
         buffers_for(engine, key).fill(key, batch)
+
+
+def decode_step(tables: list[list[int]], page_size: int = 4):
+    """A DECODE step of one token a row at each row's last page (host lists as ``pack_batch`` makes them)."""
+    positions = [len(t) * page_size - 1 for t in tables]
+    slots = [t[-1] * page_size + page_size - 1 for t in tables]
+    return pack_batch(0, 1, page_size, [1] * len(tables), positions, slots, [p + 1 for p in positions], positions,
+                      list(range(len(tables) + 1)), tables, list(range(len(tables))), "cpu")
+
+
+def test_page_table_holds_each_rows_pages_then_the_dummy_page_and_writes_only_changes():
+    """Row by row, the static table is the step's pages and then the dummy page, as a step's table
+    promises; what a row already holds is not written again. The tables are the KV manager's own
+    lists, which grow after the step: the step keeps what they held then (pack_batch's copy), which is
+    what the buffers remember having written."""
+    buffers = StepBuffers(8, 4, 6, 4, torch.device("cpu"), full_page_table=True)
+    key = GraphKey(0, 1, 4, 4)
+    StepBuffers(8, 3, 5, 4, torch.device("cpu"), full_page_table=True)  # 15 entries: room for odd tables too
+    writes = []
+    table_writes = buffers._table_writes
+    buffers._table_writes = lambda rows: writes.append(table_writes(rows)) or writes[-1]
+
+    def check(tables):
+        table = buffers.fill(key, decode_step(tables)).page_table
+        want = [t + [DUMMY_PAGE] * (6 - len(t)) for t in tables + [[]] * (4 - len(tables))]
+        assert table.tolist() == want
+        return writes[-1]
+
+    live = [[5, 6], [7], [8, 9, 10]]
+    assert check(live) == ([0, 1, 6, 12, 13, 14], [5, 6, 7, 8, 9, 10])
+    assert check(live) == ([], [])  # unchanged: nothing written
+    live[1].append(11)  # a row's new page: that entry alone
+    assert check(live) == ([6 + 1], [11])
+    check([[7, 11], [8, 9, 10]])  # the first request finished: rows move up, a shorter row clears its tail
+    check([[3, 4, 12, 13, 14, 15], [7, 11], [8, 9, 10], [2]])  # a full row, and every row used
+    check([])  # all padding
+    with pytest.raises(ValueError, match="row 0 has 7 pages"):
+        table_writes([[1] * 7])
