@@ -159,13 +159,14 @@ class StepBuffers:
         indices, values), from where each row's new pages part from what it holds to the end of the
         longer of the two. Records the rows as written (kept as given: a step's ``page_table_cpu`` is its
         own copy, engine.step.pack_batch)."""
+        too_long = next((r for r, new in enumerate(rows) if len(new) > self.max_pages), None)
+        if too_long is not None:  # before any row is recorded: what is recorded is what the device will hold
+            raise ValueError(f"row {too_long} has {len(rows[too_long])} pages; the graph buffers hold {self.max_pages}")
         index: list[int] = []
         values: list[int] = []
         for r, (new, old) in enumerate(zip(rows, self._table_rows)):
             if new == old:
                 continue
-            if len(new) > self.max_pages:
-                raise ValueError(f"row {r} has {len(new)} pages; the graph buffers hold {self.max_pages}")
             same = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
             end = max(len(new), len(old))
             base = r * self.max_pages

@@ -148,5 +148,6 @@ def test_page_table_holds_each_rows_pages_then_the_dummy_page_and_writes_only_ch
     check([[7, 11], [8, 9, 10]])  # the first request finished: rows move up, a shorter row clears its tail
     check([[3, 4, 12, 13, 14, 15], [7, 11], [8, 9, 10], [2]])  # a full row, and every row used
     check([])  # all padding
-    with pytest.raises(ValueError, match="row 0 has 7 pages"):
-        table_writes([[1] * 7])
+    with pytest.raises(ValueError, match="row 1 has 7 pages"):
+        table_writes([[1], [1] * 7])
+    assert check([[1]]) == ([0], [1])  # the refused rows were not taken as written
