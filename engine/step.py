@@ -94,7 +94,7 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
     """The step layout from its host lists, in one host-to-device copy (``host_tensors.upload``, on
     ``stream`` if given) split into views on the device; page-table rows are padded with 0 to the
     longest. ``tables`` are copied (a request's table is the KV manager's own list, which grows).
-    A step that replays a graph key reads none of these device tensors when all its rows are greedy
+    A DECODE step that replays a graph key with all its rows greedy reads none of these device tensors
     (graphs/padding.py writes the key's buffers from the host lists), so on CUDA the engine sends them
     on a stream of their own, where the copy need not wait behind the step before."""
     max_pages = max((len(t) for t in tables), default=0)

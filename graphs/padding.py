@@ -96,14 +96,15 @@ class StepBuffers:
             raise ValueError(f"step uses {width} pages per row; the graph buffers hold {self.max_pages}")
         if batch is None:
             e = n = D = 0
-            ids = positions = slots = seq = prefix = []
+            ids = positions = slots = seq = prefix = tables = []
             qo = [0]
         else:
-            if batch.input_ids_cpu is None:
+            if batch.input_ids_cpu is None or batch.page_table_cpu is None:
                 raise ValueError("a step built on the device (no host lists) cannot be padded to a graph key")
             e, n, D = batch.num_extends, batch.num_extend_tokens, batch.num_decodes
             ids, positions, slots = batch.input_ids_cpu, batch.positions_cpu, batch.slot_mapping_cpu
             seq, prefix, qo = batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.qo_indptr_cpu
+            tables = batch.page_table_cpu
         dec_end = P + D * q
         pad_rows = bs - E - D  # padded decode rows: their tokens are [dec_end, T)
         pad_positions = list(range(q)) * pad_rows
@@ -121,9 +122,6 @@ class StepBuffers:
         put(host, positions_at, positions[:n] + [0] * bucket + positions[n:] + pad_positions, torch.int64)
         pad_slots = [dummy + p % self.page_size for p in pad_positions]
         put(host, slots_at, slots[:n] + [dummy] * bucket + slots[n:] + pad_slots, torch.int64)
-        tables = [] if batch is None else batch.page_table_cpu
-        if tables is None:
-            raise ValueError("a step without host page tables cannot be padded to a graph key")
         index, values = self._table_writes(tables[:e] + [[]] * (E - e) + tables[e:] + [[]] * pad_rows)
         end = slots_at + 8 * T
         if index:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from encore.engine.kv_cache import DUMMY_PAGE
-from encore.graphs.keys import GraphKey
 from encore.engine.step import pack_batch
+from encore.graphs.keys import GraphKey
 from encore.graphs.padding import StepBuffers, padded_index
 from graph_helpers import PADDED_KEYS, engine_with_history, rel_err
 
@@ -129,7 +129,6 @@ def test_page_table_holds_each_rows_pages_then_the_dummy_page_and_writes_only_ch
     what the buffers remember having written."""
     buffers = StepBuffers(8, 4, 6, 4, torch.device("cpu"), full_page_table=True)
     key = GraphKey(0, 1, 4, 4)
-    StepBuffers(8, 3, 5, 4, torch.device("cpu"), full_page_table=True)  # 15 entries: room for odd tables too
     writes = []
     table_writes = buffers._table_writes
     buffers._table_writes = lambda rows: writes.append(table_writes(rows)) or writes[-1]
@@ -151,3 +150,11 @@ def test_page_table_holds_each_rows_pages_then_the_dummy_page_and_writes_only_ch
     with pytest.raises(ValueError, match="row 1 has 7 pages"):
         table_writes([[1], [1] * 7])
     assert check([[1]]) == ([0], [1])  # the refused rows were not taken as written
+
+
+def test_a_table_of_odd_size_fills():
+    """Rows × pages odd (3 × 5): the buffers' room for page-table writes is still whole int64s, and a
+    step that writes every entry puts each in place."""
+    buffers = StepBuffers(8, 3, 5, 4, torch.device("cpu"), full_page_table=True)
+    tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    assert buffers.fill(GraphKey(0, 1, 3, 3), decode_step(tables)).page_table.tolist() == tables
