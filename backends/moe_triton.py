@@ -75,18 +75,17 @@ class FusedMoEConfig:
     align_chunk: int = _ALIGN_CHUNK
 
     def __post_init__(self) -> None:
-        _check_tiles(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)
-        _check_power_of_two("align_chunk", self.align_chunk)
+        for name in ("block_m", "block_n", "block_k", "align_chunk"):
+            _check_power_of_two(name, getattr(self, name))
+        _check_launch(self.num_warps, self.num_stages)
 
 
-def _check_tiles(tile_a: int, tile_b: int, block_k: int, num_warps: int, num_stages: int) -> None:
-    # The MLA kernels' config checks the same rules on tiles, warps and stages; block_k alone is new.
-    KernelConfig(tile_a, tile_b, num_warps, num_stages)
-    _check_power_of_two("block_k", block_k)
+def _check_power_of_two(name: str, value: int, least: int = 16) -> None:
+    _check(value >= least and not value & (value - 1), f"{name}={value}: must be a power of two >= {least}")
 
 
-def _check_power_of_two(name: str, value: int) -> None:
-    _check(value >= 16 and not value & (value - 1), f"{name}={value}: must be a power of two >= 16")
+def _check_launch(num_warps: int, num_stages: int) -> None:
+    KernelConfig(16, 16, num_warps, num_stages)  # the MLA kernels' config checks warps and stages by the same rules
 
 
 # (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
@@ -128,9 +127,10 @@ class OneTokenConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_tiles(self.gate_n, 16, self.block_k, self.num_warps, self.num_stages)
-        _check(self.down_n >= 1 and not self.down_n & (self.down_n - 1),
-               f"down_n={self.down_n}: must be a power of two")
+        _check_power_of_two("gate_n", self.gate_n)
+        _check_power_of_two("down_n", self.down_n, least=1)
+        _check_power_of_two("block_k", self.block_k)
+        _check_launch(self.num_warps, self.num_stages)
 
 
 # The tiles the blocked kernels had for one token, so the output is the same bit for bit. V2-Lite, bf16,
