@@ -156,6 +156,14 @@ def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_
     return splits, config
 
 
+def decode_r_chunk(config: KernelConfig, block_r: int) -> int:
+    """Latent columns a chunk of the split kernel's tiles (``_decode_split_kernel``): a quarter of the
+    (power-of-two) rank, at least 16 (tl.dot's least), on the MMAs of tiles of up to 32 pairs; whole rows
+    at 64 pairs, whose dots are Hopper warpgroup MMAs (issued asynchronously, not a chain a warp waits
+    on; in quarters, ptxas gives the tile 368 bytes of stack against 200 whole)."""
+    return block_r if config.block_m >= 64 else max(16, block_r // 4)
+
+
 def default_prefill_config(dtype: torch.dtype) -> KernelConfig:
     """Measured on an H100 (kernel time in a CUDA graph, 2026-11-21). 16-bit: 64 queries x 64 keys
     on four warps, ahead of 128 x 64 on eight at every size tried: the V2-Lite shape (H 16, D 192,
@@ -217,17 +225,58 @@ def _split_keys(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _load_chunk(rows, rows_ok, c: tl.constexpr, R: tl.constexpr, R_CHUNK: tl.constexpr):
+    """Latent columns c·R_CHUNK.. of the rows whose first elements ``rows`` [X] point at: [X, R_CHUNK],
+    zeros past R (a chunk wholly past R reads nothing, and the helpers below skip its work)."""
+    cols = c * R_CHUNK + tl.arange(0, R_CHUNK)
+    if c * R_CHUNK < R:
+        return tl.load(rows[:, None] + cols[None, :], mask=rows_ok[:, None] & (cols[None, :] < R), other=0.0)
+    return tl.zeros([rows.shape[0], R_CHUNK], rows.dtype.element_ty)
+
+
+@triton.jit
+def _chunk_scores(q, k, scale, c: tl.constexpr, R: tl.constexpr, R_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c's share of the scores, q [M, R_CHUNK] · k [N, R_CHUNK]ᵀ · scale. The product by the scale
+    keeps Triton from folding a sum of these into one dot's accumulator: each chunk's MMAs form a chain
+    of their own."""
+    if c * R_CHUNK < R:
+        return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return tl.zeros([q.shape[0], k.shape[0]], tl.float32)
+
+
+@triton.jit
+def _chunk_values(acc, p, kv, alpha, c: tl.constexpr, R: tl.constexpr, R_CHUNK: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Chunk c's accumulator [M, R_CHUNK] rescaled by alpha [M] plus p [M, N] · kv [N, R_CHUNK]."""
+    if c * R_CHUNK < R:
+        return tl.dot(p, kv, acc * alpha[:, None], input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_chunk(rows, rows_ok, value, c: tl.constexpr, R: tl.constexpr, R_CHUNK: tl.constexpr):
+    """``_load_chunk``'s columns of ``rows`` := value, in the rows' dtype."""
+    if c * R_CHUNK < R:
+        cols = c * R_CHUNK + tl.arange(0, R_CHUNK)
+        tl.store(rows[:, None] + cols[None, :], value.to(rows.dtype.element_ty),
+                 mask=rows_ok[:, None] & (cols[None, :] < R))
+
+
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["stride_ptb", "num_splits"], do_not_specialize_on_alignment=["PAGE_TABLE", "SEQ_LENS"])
 def _decode_split_kernel(
         Q, QPE, KV, PAGE_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, qk_scale,
         stride_qt, stride_qh, stride_pet, stride_peh, stride_kvp, stride_kvs, stride_ptb, stride_ot, stride_oh,
         num_splits, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+        R: tl.constexpr, DR: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
         RELEASE: tl.constexpr):
     # Head blocks vary fastest in the launch order, so the programs that read the same KV tiles run
-    # together and all but the first find them in L2.
+    # together and all but the first find them in L2. The latent columns are (up to) four chunks of
+    # R_CHUNK, each its own query, key, score and accumulator tile: on the MMAs of a small tile one
+    # [M, R] · [R, N] dot is a chain of R / 16 dependent MMAs a warp (32 at R 512, the longest wait of a
+    # key tile), four chunks' scores are four chains side by side (``decode_r_chunk``).
     if RELEASE:  # the merge launched as a programmatic dependent starts its weight read now
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat (position i, head h) = i * H + h
@@ -244,25 +293,36 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_DR)
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + r[None, :],
-                mask=pair_ok[:, None] & (r[None, :] < R), other=0.0)  # [M, R]
+    q_rows = Q + tok * stride_qt + head * stride_qh  # [M]
+    q0 = _load_chunk(q_rows, pair_ok, 0, R, R_CHUNK)  # [M, R_CHUNK]
+    q1 = _load_chunk(q_rows, pair_ok, 1, R, R_CHUNK)
+    q2 = _load_chunk(q_rows, pair_ok, 2, R, R_CHUNK)
+    q3 = _load_chunk(q_rows, pair_ok, 3, R, R_CHUNK)
     q_pe = tl.load(QPE + tok[:, None] * stride_pet + head[:, None] * stride_peh + d[None, :],
                    mask=pair_ok[:, None] & (d[None, :] < DR), other=0.0)  # [M, DR]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, R_CHUNK], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, R_CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, R_CHUNK], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, R_CHUNK], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
         n_ok = n < end
         page = tl.load(PAGE_TABLE + b * stride_ptb + n // PAGE_SIZE, mask=n_ok, other=0)
         entry = KV + page.to(tl.int64) * stride_kvp + (n % PAGE_SIZE) * stride_kvs  # [N] latent entries
-        kv = tl.load(entry[:, None] + r[None, :], mask=n_ok[:, None] & (r[None, :] < R), other=0.0)  # [N, R]
+        kv0 = _load_chunk(entry, n_ok, 0, R, R_CHUNK)  # [N, R_CHUNK]
+        kv1 = _load_chunk(entry, n_ok, 1, R, R_CHUNK)
+        kv2 = _load_chunk(entry, n_ok, 2, R, R_CHUNK)
+        kv3 = _load_chunk(entry, n_ok, 3, R, R_CHUNK)
         k_pe = tl.load(entry[:, None] + R + d[None, :], mask=n_ok[:, None] & (d[None, :] < DR), other=0.0)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        s = ((_chunk_scores(q0, kv0, qk_scale, 0, R, R_CHUNK, PRECISION)
+              + _chunk_scores(q1, kv1, qk_scale, 1, R, R_CHUNK, PRECISION))
+             + (_chunk_scores(q2, kv2, qk_scale, 2, R, R_CHUNK, PRECISION)
+                + _chunk_scores(q3, kv3, qk_scale, 3, R, R_CHUNK, PRECISION))
+             + _chunk_scores(q_pe, k_pe, qk_scale, 0, DR, BLOCK_DR, PRECISION))  # [M, N], log2 units
         s = tl.where(n_ok[None, :] & (n[None, :] <= query_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A query with no visible key yet keeps m = -inf; subtracting 0 instead keeps exp2 free of NaN.
@@ -270,19 +330,25 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)  # [M, R]
+        p = p.to(kv0.dtype)
+        acc0 = _chunk_values(acc0, p, kv0, alpha, 0, R, R_CHUNK, PRECISION)  # [M, R_CHUNK]
+        acc1 = _chunk_values(acc1, p, kv1, alpha, 1, R, R_CHUNK, PRECISION)
+        acc2 = _chunk_values(acc2, p, kv2, alpha, 2, R, R_CHUNK, PRECISION)
+        acc3 = _chunk_values(acc3, p, kv3, alpha, 3, R, R_CHUNK, PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    r_ok = pair_ok[:, None] & (r[None, :] < R)
+    l_safe = tl.where(seen, l_i, 1.0)[:, None]
     if DIRECT:
-        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + r[None, :],
-                 acc.to(OUT.dtype.element_ty), mask=r_ok)
+        rows = OUT + tok * stride_ot + head * stride_oh  # [M]
     else:
         part = (tok * NUM_HEADS + head) * num_splits + split  # [M] row of the [T, H, S] workspace
-        tl.store(PART_O + part[:, None] * R + r[None, :], acc, mask=r_ok)
+        rows = PART_O + part * R
         tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=pair_ok)
+    _store_chunk(rows, pair_ok, acc0 / l_safe, 0, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc1 / l_safe, 1, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc2 / l_safe, 2, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc3 / l_safe, 3, R, R_CHUNK)
 
 
 @triton.jit
@@ -430,7 +496,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         q_lat, q_pe, kv_cache, page_table, seq_lens, latent, part_o, part_lse, softmax_scale * math.log2(math.e),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0), latent.stride(0), latent.stride(1), num_kv_splits,
-        NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, BLOCK_R=block_r,
+        NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, R_CHUNK=decode_r_chunk(config, block_r),
         BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), RELEASE=pdl, num_warps=config.num_warps,
         num_stages=config.num_stages)

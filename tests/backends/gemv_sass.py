@@ -6,15 +6,10 @@ child process by test_gemv_triton.py: the CPU tests' interpreter mode cannot com
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sass import compile_sass
 
 from encore.backends.gemv_triton import _gemv_kernel
 
@@ -23,28 +18,17 @@ ARGS = ["X", "W", "OUT", "num_tokens", "n", "stride_xm", "stride_xg", "stride_wg
 
 
 def main() -> None:
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     signature = {a: "*bf16" if a[0].isupper() else "fp32" if a == "eps" else "i32" for a in ARGS}
     # What a launch specializes: its pointers 16-byte aligned; the strides are not specialized on.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ARGS) if a[0].isupper()}
+    aligned = {a for a in ARGS if a[0].isupper()}
     found = {}
     for align in (1, 8):
         for norm in (False, True):
             constants = dict(K=2048, BLOCK_N=8, BLOCK_K=2048, K_CONTIGUOUS=True, BLOCK_M=1, NORM=norm, ADD=norm,
                              STORE_NORMED=False, ALIGN=align, PDL=True)
-            source = ASTSource(fn=_gemv_kernel, signature={**signature, **{k: "constexpr" for k in constants}},
-                               constexprs=constants, attrs=aligned)
-            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-                cubin.write(kernel.asm["cubin"])
-                cubin.flush()
-                sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], check=True,
-                                      capture_output=True, text=True).stdout
-                usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name], check=True,
-                                       capture_output=True, text=True).stdout
+            sass, registers = compile_sass(_gemv_kernel, signature, aligned, constants, num_warps=4)
             loads = re.findall(r"\bLDG\.E[.\w]*", sass)
-            found[f"{align},{norm}"] = {"loads": {op: loads.count(op) for op in set(loads)},
-                                        "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+            found[f"{align},{norm}"] = {"loads": {op: loads.count(op) for op in set(loads)}, "registers": registers}
     json.dump(found, sys.stdout)
 
 

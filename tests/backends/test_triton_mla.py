@@ -7,6 +7,12 @@ float32 and float16; bfloat16 is covered by the GPU tests (``-m gpu``), which us
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,6 +213,26 @@ def test_warm_up_decode_launches_each_variant(q_len):
     # for both merge widths (and, one token, the merge that projects values) x each listed config x
     # (one split, two)
     assert warm_up_decode(cache, 0, 2, q_len, 16, 8, 0.3) == 2 * len(decode_configs(2, q_len, torch.float16)) * 2
+
+
+def test_split_tiles_compile_to_short_mma_chains():
+    """The split kernel's scores at V2-Lite's rank: on the MMAs of the small and middle tiles no HMMA
+    waits on a chain of more than 12 before it (the four latent chunks' 8 and the rope part's 4; one
+    dot over the 512 columns was a chain of 32 + 4), with no fewer MMAs in all; the 64-pair tile stays on
+    warpgroup MMAs. sm90 SASS from Triton's own ptxas, no GPU needed (split_sass.py, in a child process
+    without the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("split_sass.py"))], env=env,
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-3000:]
+    found = json.loads(child.stdout)
+    assert {key.split(",")[1] for key in found} == {"16", "32", "64"}, found
+    for key, tile in found.items():
+        block_m = int(key.split(",")[1])
+        if block_m >= 64:
+            assert tile["hgmma"] > 0 and tile["hmma"] == 0, (key, tile)
+        else:
+            assert tile["hmma"] == 68 * block_m // 16 and tile["longest_chain"] <= 12, (key, tile)
 
 
 def values_reference(latent, w_vc):
