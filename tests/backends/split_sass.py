@@ -8,16 +8,11 @@ CPU tests' interpreter mode cannot compile."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sass import compile_sass
 
 from encore.backends.triton_mla import _decode_split_kernel, decode_configs, decode_r_chunk
 
@@ -44,29 +39,17 @@ def longest_chain(sass: str) -> int:
 
 
 def main() -> None:
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     signature = {a: TYPES.get(a, "i32") for a in ARGS}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ARGS) if a in ALIGNED}
     found = {}
     for q_len, config in ((q, c) for q in (1, 2, 4) for c in decode_configs(16, q, torch.bfloat16)):
         constants = dict(NUM_HEADS=16, Q_LEN=q_len, PAGE_SIZE=64, R=512, DR=64, R_CHUNK=decode_r_chunk(config, 512),
                          BLOCK_DR=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n, DIRECT=False, PRECISION="tf32",
                          RELEASE=True)
-        source = ASTSource(fn=_decode_split_kernel, signature={**signature, **{k: "constexpr" for k in constants}},
-                           constexprs=constants, attrs=attrs)
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(kernel.asm["cubin"])
-            cubin.flush()
-            sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin.name], check=True,
-                                  capture_output=True, text=True).stdout
-            usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name], check=True,
-                                   capture_output=True, text=True).stdout
+        sass, registers = compile_sass(_decode_split_kernel, signature, ALIGNED, constants, config.num_warps,
+                                       config.num_stages)
         key = f"{q_len},{config.block_m},{config.block_n},{config.num_warps},{config.num_stages}"
-        found[key] = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                      "hmma": len(re.findall(r"\bHMMA\.", sass)), "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
-                      "longest_chain": longest_chain(sass)}
+        found[key] = {"registers": registers, "hmma": len(re.findall(r"\bHMMA\.", sass)),
+                      "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "longest_chain": longest_chain(sass)}
     json.dump(found, sys.stdout)
 
 
