@@ -12,7 +12,8 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
 
 One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
 nothing to group: gate_up's programs of pair j read expert ids[j] themselves (its fused shared-expert
-pairs know theirs), and every down program reads all the pairs' ids. It has no sum launch
+pairs know theirs) and hold a few rows of its gate and up over all of H, as the GEMV holds a weight
+(gemv_triton.py), and every down program reads all the pairs' ids. It has no sum launch
 either: each down program computes a block of hidden columns for all k pairs and sums them itself,
 so a decode step's MoE is two launches. On sm90+ both launch as programmatic dependents: gate_up
 while the routing selection runs (which releases it once its own wait returns), its routed pairs'
@@ -35,8 +36,9 @@ has read its pairs.
 
 Determinism: every output element is written by exactly one program and the per-token sum over
 the k pairs runs in a fixed order, with no atomics, so the result does not depend on scheduling.
-Dots accumulate in float32 (float32 inputs in IEEE precision, so they can match a float32
-reference); the intermediate is stored in the input dtype, as the reference computes it.
+Dots and one token's gate_up row sums accumulate in float32 (float32 inputs in IEEE precision, so they
+can match a float32 reference); the intermediate is stored in the input dtype, as the reference
+computes it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import triton
 import triton.language as tl
 
 from encore.backends import kernel_variants
+from encore.backends.dense import GEMV_MAX_K
 from encore.backends.pdl import pdl_supported
 from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
 
@@ -116,9 +119,10 @@ def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OneTokenConfig:
-    """The one-token kernels' tiles: gate_n output columns per gate_up program (of gate and of up),
-    down_n hidden columns per down program (of every pair: its dot is pairs · down_n wide), block_k
-    the reduction tile; powers of two, of at least 16 but for down_n."""
+    """The one-token kernels' tiles: gate_n rows of gate (and the same rows of up) per gate_up program,
+    at most (fewer where its weight tile would pass GEMV_MAX_K elements: it holds all of H), down_n
+    hidden columns per down program (of every pair: its dot is pairs · down_n wide), block_k down's
+    reduction tile (at least 16), num_warps and num_stages down's launch; powers of two."""
 
     gate_n: int
     down_n: int
@@ -127,19 +131,19 @@ class OneTokenConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_power_of_two("gate_n", self.gate_n)
+        _check_power_of_two("gate_n", self.gate_n, least=1)
         _check_power_of_two("down_n", self.down_n, least=1)
         _check_power_of_two("block_k", self.block_k)
         _check_launch(self.num_warps, self.num_stages)
 
 
-# The tiles the blocked kernels had for one token, so the output is the same bit for bit. V2-Lite, bf16,
-# H200, 26 layers a CUDA graph: 39.4 µs a layer against 43.3 with the alignment, copy-bandwidth floor
-# 32.8 µs; of 12 tile settings tried (bench_moe.py --sweep --tokens 1 sweeps more) none was faster.
+# gate_n 4: at V2-Lite's H (2048) a gate_up program holds 4 gate and 4 up rows whole, the GEMV's tile
+# (gemv_triton.py), 352 programs a pair. NOT YET MEASURED (session 47; the tl.dot kernel it replaced:
+# 32 columns a program, 39.4 µs a layer for both kernels in 26 layers a CUDA graph, H200).
 # down_n 8: 256 down programs of every pair's 8 columns, the fastest of 8/16/32 columns × 3/4/5 stages
 # (24 stand-in decode layers with their GEMVs and router, H200: 50.3 µs a layer, the same as the
 # per-pair programs with an arrival counter they replaced, and the same bits; benchmarks/README.md).
-ONE_TOKEN = OneTokenConfig(gate_n=32, down_n=8, block_k=64, num_warps=4, num_stages=5)
+ONE_TOKEN = OneTokenConfig(gate_n=4, down_n=8, block_k=64, num_warps=4, num_stages=5)
 
 
 def config_token_counts(max_tokens: int) -> tuple[int, ...]:
@@ -326,44 +330,39 @@ def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.const
 @kernel_variants.watched
 @triton.jit
 def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ROUTED: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, ROUTED: tl.constexpr,
                               FIRST_SHARED: tl.constexpr, PDL: tl.constexpr):
-    # The token is row 0 of a 16-row tile (tl.dot's least), the other rows zero: Triton pipelines the
-    # loads that feed a dot, and a reduction in registers instead measured 49-150 µs a layer against 39.
-    # Pairs ROUTED.. are the fused shared experts FIRST_SHARED.., the same for every token: as
-    # programmatic dependents of the selection, their programs read x and their weights and compute
-    # while the selection runs, and wait only before they write. The selection releases this kernel
-    # after its own wait, when the kernels before it, x's writer among them, have finished (so x is
-    # complete); the routed pairs' programs wait at their top, as they read the selection's ids.
-    pair = tl.program_id(0)
+    # Program (i, p): rows i·BLOCK_N.. of gate and of up of one pair's expert, each row over all of H in
+    # one register tile, as the GEMV holds a weight (gemv_triton.py): its loads are whole 16-byte vectors
+    # of contiguous rows and the reduction is in registers. Launch order: the fused shared experts' pairs
+    # (ROUTED..) first, the same for every token: as programmatic dependents of the selection, their
+    # programs read x and their weights and compute while the selection runs, and wait only before they
+    # write. The selection releases this kernel after its own wait, when the kernels before it, x's
+    # writer among them, have finished (so x is complete); the routed pairs' programs wait at their top,
+    # as they read the selection's ids.
+    pair = (tl.program_id(1) + ROUTED) % PAIRS
     routed = pair < ROUTED
     if PDL:
         if routed:
             tl.extra.cuda.gdc_wait()
     expert = tl.where(routed, tl.load(IDS + pair, mask=routed, other=0), FIRST_SHARED - ROUTED + pair.to(tl.int64))
-    row = tl.arange(0, 16)[:, None]  # [16, 1]
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of gate (and of up, I further)
-    n_ok = n < I
-    w = W13 + expert * (2 * I * H)
-    acc_gate = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        a = tl.load(X + row * 0 + k[None, :], mask=(row == 0) & k_ok[None, :], other=0.0,
-                    cache_modifier=".cg")  # [16, K], past L1: a shared pair's program reads it before any wait
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w_gate = tl.load(w + n[:, None] * H + k[None, :], mask=w_ok, other=0.0)  # [N, K]
-        w_up = tl.load(w + (I + n[:, None]) * H + k[None, :], mask=w_ok, other=0.0)
-        acc_gate = tl.dot(a, tl.trans(w_gate), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads end
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of gate (and of up, I further)
+    k = tl.arange(0, BLOCK_K)
+    ok = (n < I)[:, None] & (k < H)[None, :]
+    w = W13 + expert * (2 * I * H) + n[:, None] * H + k[None, :]
+    w_gate = tl.load(w, mask=ok, other=0.0)  # [N, K]
+    w_up = tl.load(w + I * H, mask=ok, other=0.0)
+    x = tl.load(X + k, mask=k < H, other=0.0, cache_modifier=".cg").to(tl.float32)  # past L1: read before any wait
+    if PDL:  # the down kernel (a programmatic dependent) launches as the weight reads are issued
         tl.extra.cuda.gdc_launch_dependents()
+    gate = tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)  # [N]
+    up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    if PDL:
         if not routed:  # the selection may still run, reading the router's logits, memory that the
             # route op freed on return and that INTER may reuse
             tl.extra.cuda.gdc_wait()
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [16, N] SiLU(gate)·up in row 0
-    tl.store(INTER + pair * I + row * 0 + n[None, :], h.to(INTER.dtype.element_ty), mask=(row == 0) & n_ok[None, :])
+    h = gate * tl.sigmoid(gate) * up  # SiLU(gate)·up
+    tl.store(INTER + pair * I + n, h.to(INTER.dtype.element_ty), mask=n < I)
 
 
 @kernel_variants.watched
@@ -410,18 +409,19 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     """``fused_moe`` of one token (x [1, H]; inputs as there, checked by it) in two launches."""
     pairs = ids.shape[1]
     inter, hidden = w2.shape[2], x.shape[1]
-    launch = dict(BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype), num_warps=config.num_warps,
-                  num_stages=config.num_stages)
     intermediate = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [k, I]
     pdl = pdl_supported(x.device)
-    _one_token_gate_up_kernel[(pairs, triton.cdiv(inter, config.gate_n))](
-        x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=config.gate_n, ROUTED=pairs - num_shared,
-        FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, launch_pdl=pdl, **launch)
+    block_h = triton.next_power_of_2(hidden)
+    gate_n = max(1, min(config.gate_n, GEMV_MAX_K // (2 * block_h)))  # gate and up rows: one register tile
+    _one_token_gate_up_kernel[(triton.cdiv(inter, gate_n), pairs)](
+        x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=gate_n, BLOCK_K=block_h, PAIRS=pairs,
+        ROUTED=pairs - num_shared, FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, num_warps=4, launch_pdl=pdl)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     block_p = max(triton.next_power_of_2(pairs), triton.cdiv(16, config.down_n))  # a dot at least 16 wide
     _one_token_down_kernel[(triton.cdiv(hidden, config.down_n),)](
         intermediate, w2, ids, weights, out, H=hidden, I=inter, BLOCK_N=config.down_n, PAIRS=pairs,
-        BLOCK_P=block_p, BLOCK_M=max(16, block_p), PDL=pdl, launch_pdl=pdl, **launch)
+        BLOCK_P=block_p, BLOCK_M=max(16, block_p), BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype),
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 

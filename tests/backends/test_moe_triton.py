@@ -190,7 +190,7 @@ def test_fused_moe_rejects_bad_inputs():
         FusedMoEConfig(block_m=16, block_n=32, block_k=24, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="align_chunk=24"):
         FusedMoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, align_chunk=24)
-    for bad, field in ((dict(gate_n=8), "gate_n=8"), (dict(down_n=3), "down_n=3"), (dict(block_k=24), "block_k=24")):
+    for bad, field in ((dict(gate_n=3), "gate_n=3"), (dict(down_n=3), "down_n=3"), (dict(block_k=24), "block_k=24")):
         with pytest.raises(ValueError, match=field):  # the one-token config names its own field
             OneTokenConfig(**{**dict(gate_n=32, down_n=8, block_k=64, num_warps=4, num_stages=5), **bad})
 
