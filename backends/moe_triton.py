@@ -119,31 +119,27 @@ def default_config(tokens: int, dtype: torch.dtype) -> FusedMoEConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OneTokenConfig:
-    """The one-token kernels' tiles: gate_n rows of gate (and the same rows of up) per gate_up program,
-    at most (fewer where its weight tile would pass GEMV_MAX_K elements: it holds all of H), down_n
-    hidden columns per down program (of every pair: its dot is pairs · down_n wide), block_k down's
-    reduction tile (at least 16), num_warps and num_stages down's launch; powers of two."""
+    """The one-token kernels' tiles, each a few weight rows whole over their reduction in registers (the
+    GEMV's tile, gemv_triton.py): gate_n rows of gate (and the same rows of up) per gate_up program,
+    down_n hidden rows per down program (of every pair, in turn), at most (fewer where a tile would pass
+    GEMV_MAX_K elements); powers of two. num_warps: both kernels'."""
 
     gate_n: int
     down_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+    num_warps: int = 4
 
     def __post_init__(self) -> None:
         _check_power_of_two("gate_n", self.gate_n, least=1)
         _check_power_of_two("down_n", self.down_n, least=1)
-        _check_power_of_two("block_k", self.block_k)
-        _check_launch(self.num_warps, self.num_stages)
+        _check_launch(self.num_warps, 1)  # no stages: the kernels' loops are unrolled
 
 
-# gate_n 4: at V2-Lite's H (2048) a gate_up program holds 4 gate and 4 up rows whole, the GEMV's tile
-# (gemv_triton.py), 352 programs a pair. NOT YET MEASURED (session 47; the tl.dot kernel it replaced:
-# 32 columns a program, 39.4 µs a layer for both kernels in 26 layers a CUDA graph, H200).
-# down_n 8: 256 down programs of every pair's 8 columns, the fastest of 8/16/32 columns × 3/4/5 stages
-# (24 stand-in decode layers with their GEMVs and router, H200: 50.3 µs a layer, the same as the
-# per-pair programs with an arrival counter they replaced, and the same bits; benchmarks/README.md).
-ONE_TOKEN = OneTokenConfig(gate_n=4, down_n=8, block_k=64, num_warps=4, num_stages=5)
+# At V2-Lite (H 2048, I 1408): a gate_up program holds 4 gate and 4 up rows of 2048 (352 programs a pair,
+# 127 registers a thread: four programs an SM), a down program 4 hidden rows of 1408 (tiles of 2048) of
+# each pair in turn, two pairs' tiles in flight (512 programs, 127 registers; 8 rows: 236, and at V3's
+# H 7168 they spill). NOT YET MEASURED (session 47; sm90 SASS read on the CPU). The tl.dot kernels they
+# replace: 39.4 µs a layer for both in 26 layers a CUDA graph, H200 (benchmarks/README.md, "Fused MoE").
+ONE_TOKEN = OneTokenConfig(gate_n=4, down_n=4)
 
 
 def config_token_counts(max_tokens: int) -> tuple[int, ...]:
@@ -368,40 +364,37 @@ def _one_token_gate_up_kernel(X, W13, IDS, INTER, H: tl.constexpr, I: tl.constex
 @kernel_variants.watched
 @triton.jit
 def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, OUT, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAIRS: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
-    # Program b: hidden columns b·BLOCK_N.. of every pair, so no other program holds a part of its sum.
-    # One dot a K tile: A's rows are the pairs' intermediates (row j: pair j's; BLOCK_M >= 16 rows, as
-    # tl.dot needs), B's columns every pair's BLOCK_N rows of its expert's W2 (column j·BLOCK_N + c: pair
-    # j's row c), and pair j's values are A's row j against its own columns, each element the same sum
-    # over K that a tile of pair j alone computes. The other products are wasted, free at these sizes.
+                           BLOCK_K: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+    # Program b: hidden rows b·BLOCK_N.. of the output, so no other program holds a part of its sum. For
+    # each pair in turn, its expert's BLOCK_N rows of W2 whole over I in one register tile (the GEMV's,
+    # gemv_triton.py) against the pair's intermediate, weighted, added in pair order. The next pair's
+    # tile is loaded before this pair's products (two tiles in registers), its expert id a pair earlier
+    # still: otherwise ptxas issued each pair's loads after the pair before had arrived (sm90 SASS).
     if PDL:  # launched as a programmatic dependent: nothing is read or written before gate_up finished
         tl.extra.cuda.gdc_wait()
-    col = tl.arange(0, BLOCK_P * BLOCK_N)  # [P·N]
-    col_pair = col // BLOCK_N
-    n = tl.program_id(0) * BLOCK_N + col % BLOCK_N  # the hidden column of each of B's columns
-    col_ok = (col_pair < PAIRS) & (n < H)
-    w_rows = W2 + tl.load(IDS + col_pair, mask=col_pair < PAIRS, other=0) * (H * I) + n * I  # [P·N]
-    row = tl.arange(0, BLOCK_M)  # A's rows: the pairs, then zeros
-    acc = tl.zeros([BLOCK_M, BLOCK_P * BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < I
-        a = tl.load(INTER + row[:, None] * I + k[None, :], mask=(row < PAIRS)[:, None] & k_ok[None, :],
-                    other=0.0)  # [M, K]
-        w_down = tl.load(w_rows[:, None] + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [P·N, K]
-        acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
-    if PDL:  # the kernel after (the next layer's first GEMV) reads its weight under this one's tail
-        tl.extra.cuda.gdc_launch_dependents()
-    route = tl.load(WEIGHTS + row, mask=row < PAIRS, other=0.0)  # [M] routing weight of each pair
-    own = tl.where(row[:, None] == col_pair[None, :], acc * route[:, None], 0.0)  # [M, P·N]
-    per_pair = tl.reshape(tl.sum(own, axis=0), [BLOCK_P, BLOCK_N])  # [P, N], weighted (plus zeros: exact)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden rows
+    k = tl.arange(0, BLOCK_K)
+    rows = n[:, None] * I + k[None, :]
+    ok = (n < H)[:, None] & (k < I)[None, :]
+    w = tl.load(W2 + tl.load(IDS) * (H * I) + rows, mask=ok, other=0.0)  # [N, K] pair 0's
+    a = tl.load(INTER + k, mask=k < I, other=0.0)  # [K]
+    expert_next = tl.load(IDS + 1, mask=PAIRS > 1, other=0)
     total = tl.zeros([BLOCK_N], tl.float32)
-    j = tl.arange(0, BLOCK_P)[:, None]
     for p in tl.static_range(PAIRS):  # pair order, as _sum_pairs_kernel: the same sum on every run
-        total += tl.sum(tl.where(j == p, per_pair, 0.0), axis=0)
-    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(OUT + c, total.to(OUT.dtype.element_ty), mask=c < H)
+        if p + 1 < PAIRS:
+            w_next = tl.load(W2 + expert_next * (H * I) + rows, mask=ok, other=0.0)
+            a_next = tl.load(INTER + (p + 1) * I + k, mask=k < I, other=0.0)
+            if p + 2 < PAIRS:  # the id a pair ahead, so the tile's addresses wait on no load of their own
+                expert_next = tl.load(IDS + p + 2)
+            tl.debug_barrier()  # the loads are issued here, before this pair's products wait on its tile
+        elif PDL:  # the last weight read is issued: the kernel after (the next layer's first GEMV) reads
+            # its weight under this one's tail
+            tl.extra.cuda.gdc_launch_dependents()
+        total += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1) * tl.load(WEIGHTS + p)
+        if p + 1 < PAIRS:
+            w = w_next
+            a = a_next
+    tl.store(OUT + n, total.to(OUT.dtype.element_ty), mask=n < H)
 
 
 def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -415,13 +408,14 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     gate_n = max(1, min(config.gate_n, GEMV_MAX_K // (2 * block_h)))  # gate and up rows: one register tile
     _one_token_gate_up_kernel[(triton.cdiv(inter, gate_n), pairs)](
         x, w13, ids, intermediate, H=hidden, I=inter, BLOCK_N=gate_n, BLOCK_K=block_h, PAIRS=pairs,
-        ROUTED=pairs - num_shared, FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        ROUTED=pairs - num_shared, FIRST_SHARED=w13.shape[0] - num_shared, PDL=pdl, num_warps=config.num_warps,
+        launch_pdl=pdl)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    block_p = max(triton.next_power_of_2(pairs), triton.cdiv(16, config.down_n))  # a dot at least 16 wide
-    _one_token_down_kernel[(triton.cdiv(hidden, config.down_n),)](
-        intermediate, w2, ids, weights, out, H=hidden, I=inter, BLOCK_N=config.down_n, PAIRS=pairs,
-        BLOCK_P=block_p, BLOCK_M=max(16, block_p), BLOCK_K=config.block_k, PRECISION=_dot_precision(x.dtype),
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+    block_i = triton.next_power_of_2(inter)
+    down_n = max(1, min(config.down_n, GEMV_MAX_K // block_i))  # a pair's rows of W2: one register tile
+    _one_token_down_kernel[(triton.cdiv(hidden, down_n),)](
+        intermediate, w2, ids, weights, out, H=hidden, I=inter, BLOCK_N=down_n, BLOCK_K=block_i, PAIRS=pairs,
+        PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl)
     return out
 
 
