@@ -368,8 +368,9 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, OUT, H: tl.constexpr, I: tl.
     # Program b: hidden rows b·BLOCK_N.. of the output, so no other program holds a part of its sum. For
     # each pair in turn, its expert's BLOCK_N rows of W2 whole over I in one register tile (the GEMV's,
     # gemv_triton.py) against the pair's intermediate, weighted, added in pair order. The next pair's
-    # tile is loaded before this pair's products (two tiles in registers), its expert id a pair earlier
-    # still: otherwise ptxas issued each pair's loads after the pair before had arrived (sm90 SASS).
+    # tile and intermediate are loaded before this pair's products, its expert id a pair earlier still:
+    # loaded where it is used, ptxas issued each pair's tile once the pair before had arrived (sm90 SASS;
+    # this way two pairs' tiles are out before the first reduction and up to three later).
     if PDL:  # launched as a programmatic dependent: nothing is read or written before gate_up finished
         tl.extra.cuda.gdc_wait()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden rows
@@ -386,7 +387,6 @@ def _one_token_down_kernel(INTER, W2, IDS, WEIGHTS, OUT, H: tl.constexpr, I: tl.
             a_next = tl.load(INTER + (p + 1) * I + k, mask=k < I, other=0.0)
             if p + 2 < PAIRS:  # the id a pair ahead, so the tile's addresses wait on no load of their own
                 expert_next = tl.load(IDS + p + 2)
-            tl.debug_barrier()  # the loads are issued here, before this pair's products wait on its tile
         elif PDL:  # the last weight read is issued: the kernel after (the next layer's first GEMV) reads
             # its weight under this one's tail
             tl.extra.cuda.gdc_launch_dependents()

@@ -1,5 +1,5 @@
 """sm90 SASS of an encore Triton kernel without a GPU: Triton's own ptxas and cuobjdump, for the tests'
-child processes (gemv_sass.py, split_sass.py) that read what a kernel compiles to."""
+child processes (gemv_sass.py, split_sass.py, moe_sass.py) that read what a kernel compiles to."""
 
 from __future__ import annotations
 

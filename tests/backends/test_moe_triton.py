@@ -10,6 +10,12 @@ bfloat16, CUDA-graph replay, the op's dispatch and DeepSeek's real shapes.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,6 +158,24 @@ def test_one_token_goes_through_the_one_token_kernels(monkeypatch):
     assert max_rel_error(fused_moe(x, w13, w2, weights, ids), experts_torch(x, w13, w2, weights, ids)) <= 1e-5
     with pytest.raises(AssertionError, match="aligned into blocks"):  # a config asks for the blocked kernels
         fused_moe(x, w13, w2, weights, ids, config=SMALL)
+
+
+def test_one_token_kernels_compile_to_whole_vector_rows():
+    """The one-token kernels at V2-Lite's and V3's layers hold their weight rows in registers as 16-byte
+    loads (no 2-byte loads, nothing spilled; at V2-Lite at most 128 registers a thread, four programs an
+    SM), and down issues its second pair's tile before its first reduction (without the prefetch it
+    issued one pair's tile at a time). sm90 SASS from Triton's own ptxas, no GPU needed (moe_sass.py, in
+    a child process without the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, str(Path(__file__).with_name("moe_sass.py"))], env=env,
+                           capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-3000:]
+    for key, kernel in json.loads(child.stdout).items():
+        assert kernel["local"] == 0 and not any("U16" in op for op in kernel["loads"]), (key, kernel)
+        if key.endswith("v2-lite"):
+            assert kernel["registers"] <= 128, (key, kernel)
+        if key.startswith("down"):
+            assert kernel["vector_loads_before_reduction"] >= kernel["tile_vector_loads"] * 3 // 2, (key, kernel)
 
 
 @in_process
