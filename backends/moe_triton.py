@@ -52,9 +52,8 @@ import triton.language as tl
 from encore.backends import kernel_variants
 from encore.backends.dense import GEMV_MAX_K
 from encore.backends.pdl import pdl_supported
-from encore.backends.triton_mla import KernelConfig, _check, _check_same_device, _dot_precision
+from encore.backends.triton_common import DTYPES, KernelConfig, check, check_same_device, dot_precision
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The alignment reads its pairs _ALIGN_CHUNK at a time unless a config row says otherwise
 # (FusedMoEConfig.align_chunk) and fills the spare blocks _ALIGN_FILL slots at a time: constants, not
 # functions of T, so no kernel variant per token count (kernel_variants).
@@ -84,11 +83,11 @@ class FusedMoEConfig:
 
 
 def _check_power_of_two(name: str, value: int, least: int = 16) -> None:
-    _check(value >= least and not value & (value - 1), f"{name}={value}: must be a power of two >= {least}")
+    check(value >= least and not value & (value - 1), f"{name}={value}: must be a power of two >= {least}")
 
 
 def _check_launch(num_warps: int, num_stages: int) -> None:
-    KernelConfig(16, 16, num_warps, num_stages)  # the MLA kernels' config checks warps and stages by the same rules
+    KernelConfig(16, 16, num_warps, num_stages)  # the shared kernel config checks warps and stages by these rules
 
 
 # (most tokens, config for 16-bit inputs); the first row whose bound holds. Measured for V2-Lite
@@ -218,9 +217,9 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 
     index t·k + j, or the sentinel T·k in padding; block_expert [max_blocks] int32: the block's expert,
     -1 past the used blocks). Experts in ascending order, each one's pairs in pair order. ``chunk``: pairs
     read at a time (FusedMoEConfig.align_chunk)."""
-    _check(ids.dim() == 2 and ids.dtype == torch.int64 and ids.is_contiguous(),
+    check(ids.dim() == 2 and ids.dtype == torch.int64 and ids.is_contiguous(),
            f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [T, k] int64")
-    _check(block_m >= 1, f"block_m={block_m}: must be >= 1")
+    check(block_m >= 1, f"block_m={block_m}: must be >= 1")
     num_pairs = ids.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
@@ -440,23 +439,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     With S > 0 on sm90+, one token's x must be complete when this launches: its shared pairs read x
     before their programmatic wait, which holds right after ``encore::route`` (its selection releases
     this kernel only once its own wait returns), not after a kernel that releases before it writes x."""
-    _check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
+    check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
            "last dim contiguous")
     tokens, hidden = x.shape
-    _check(x.dtype in _DTYPES, f"x dtype {x.dtype} not in {_DTYPES}")
-    _check(w13.dtype == w2.dtype == x.dtype, f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
-    _check(w13.dim() == 3 and w13.shape[1] % 2 == 0 and w13.shape[2] == hidden and w13.is_contiguous(),
+    check(x.dtype in DTYPES, f"x dtype {x.dtype} not in {DTYPES}")
+    check(w13.dtype == w2.dtype == x.dtype, f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    check(w13.dim() == 3 and w13.shape[1] % 2 == 0 and w13.shape[2] == hidden and w13.is_contiguous(),
            f"w13 {tuple(w13.shape)}: expected contiguous [E, 2I, {hidden}]")
     experts, inter = w13.shape[0], w13.shape[1] // 2
-    _check(w2.shape == (experts, hidden, inter) and w2.is_contiguous(),
+    check(w2.shape == (experts, hidden, inter) and w2.is_contiguous(),
            f"w2 {tuple(w2.shape)}: expected contiguous [{experts}, {hidden}, {inter}]")
-    _check(ids.dim() == 2 and ids.shape[0] == tokens and ids.dtype == torch.int64 and ids.is_contiguous(),
+    check(ids.dim() == 2 and ids.shape[0] == tokens and ids.dtype == torch.int64 and ids.is_contiguous(),
            f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [{tokens}, k] int64")
-    _check(weights.shape == ids.shape and weights.dtype == torch.float32 and weights.is_contiguous(),
+    check(weights.shape == ids.shape and weights.dtype == torch.float32 and weights.is_contiguous(),
            f"weights {tuple(weights.shape)} {weights.dtype}: expected contiguous {tuple(ids.shape)} float32")
-    _check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
+    check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
     top_k = ids.shape[1]
-    _check(0 <= num_shared < max(top_k, 1) and num_shared <= experts,
+    check(0 <= num_shared < max(top_k, 1) and num_shared <= experts,
            f"num_shared={num_shared}: must be in 0..{max(top_k - 1, 0)} (fewer than the {top_k} pairs a token, "
            f"at most the {experts} experts)")
     out = torch.empty_like(x)
@@ -468,7 +467,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     sorted_pairs, block_expert = align_pairs(ids, experts, config.block_m, config.align_chunk)
     blocks = block_expert.shape[0]
     num_pairs = ids.numel()
-    precision = _dot_precision(x.dtype)
+    precision = dot_precision(x.dtype)
     pdl = pdl_supported(x.device)
     launch = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
                   PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from encore.backends import kernel_variants
 from encore.backends.pdl import pdl_supported
-from encore.backends.triton_mla import _check
+from encore.backends.triton_common import check
 
 
 @kernel_variants.watched
@@ -101,19 +101,19 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
     """``moe.select_experts`` in one launch: router_logits [T, E] float32 -> (weights [T, k + S] float32,
     ids [T, k + S] int64), where the last S = ``num_shared`` columns are the shared experts fused into
     the routed ones (``moe.with_shared_experts``): ids E..E + S - 1, weight 1."""
-    _check(router_logits.dim() == 2 and router_logits.dtype == torch.float32 and router_logits.is_contiguous(),
+    check(router_logits.dim() == 2 and router_logits.dtype == torch.float32 and router_logits.is_contiguous(),
            f"router_logits {tuple(router_logits.shape)} {router_logits.dtype}: expected contiguous [T, E] float32")
     tokens, experts = router_logits.shape
-    _check(0 < top_k <= experts, f"top_k={top_k}: must be in 1..{experts} (the number of experts)")
-    _check(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r}: expected 'softmax' or 'sigmoid'")
+    check(0 < top_k <= experts, f"top_k={top_k}: must be in 1..{experts} (the number of experts)")
+    check(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r}: expected 'softmax' or 'sigmoid'")
     grouped = topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1
     if grouped:
-        _check(experts % n_group == 0 and 0 < topk_group <= n_group,
+        check(experts % n_group == 0 and 0 < topk_group <= n_group,
                f"n_group={n_group}, topk_group={topk_group}: E={experts} must split into n_group equal groups, "
                f"of which 1..n_group are kept")
     if bias is not None:
-        _check(bias.shape == (experts,), f"bias {tuple(bias.shape)}: expected [{experts}]")
-    _check(num_shared >= 0, f"num_shared={num_shared}: must be >= 0")
+        check(bias.shape == (experts,), f"bias {tuple(bias.shape)}: expected [{experts}]")
+    check(num_shared >= 0, f"num_shared={num_shared}: must be >= 0")
     weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int64, device=router_logits.device)
     block_e = max(16, triton.next_power_of_2(experts))

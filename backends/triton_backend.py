@@ -1,4 +1,5 @@
-"""The Triton attention backend: encore's own MLA kernels (``triton_mla``) behind the backend interface."""
+"""The Triton attention backend: encore's own MLA kernels (``triton_mla``, ``triton_mla_prefill``) behind
+the backend interface."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from encore.backends.base import AttentionBackend, MLADims, decompress_kv
 from encore.backends.dense import absorb_query
 from encore.backends.metadata import ForwardBatch, ForwardMode
-from encore.backends.triton_mla import mla_decode, mla_prefill, warm_up_decode
+from encore.backends.triton_mla import mla_decode, warm_up_decode
+from encore.backends.triton_mla_prefill import mla_prefill
 from encore.engine.kv_cache import DUMMY_PAGE
 
 

@@ -1,5 +1,6 @@
-"""encore's own Triton kernels for MLA: the absorbed decode over the paged latent cache, and the ragged
-causal prefill of the MHA branch. Pure functions of explicit tensors; a backend plans their arguments.
+"""encore's own Triton kernels for MLA decode: the absorbed attention over the paged latent cache. Pure
+functions of explicit tensors; a backend plans their arguments (the prefill's MHA branch is
+``triton_mla_prefill``).
 
 ``mla_decode`` (flash-decoding over the 576-wide latent cache). MLA has one KV head shared by every
 query head, so a program takes BLOCK_M (query position, head) pairs of one row — all q_len positions
@@ -17,16 +18,7 @@ W_vc read overlaps it: one launch in place of the merge and ``dense.project_valu
     grid (cdiv(q_len·H, BLOCK_M), B, num_kv_splits)  then  merge grid (B·q_len, H, column blocks)
                                                       or   merge + values grid (cdiv(dv, rows), H)
 
-``mla_prefill`` (FlashAttention-2 forward, ragged, causal with a cached prefix). A program handles
-BLOCK_M queries of one row and one head. Programs are numbered over the rows' query tiles in order;
-each finds its row with a prefix sum over the per-row tile counts (16 rows at a time), so the
-grid, cdiv(Tq, BLOCK_M) + rows per head, depends only on static sizes (no host read of
-``qo_indptr``) and wastes no programs on short rows. Head dims that are not a power of two
-(192 = 128 + 64) are split into two dots. A kernel rather than flex_attention: flex needs a
-BlockMask rebuilt from the indptrs every step and kept in static buffers for capture, where this
-kernel takes the indptrs themselves as arguments.
-
-Both accumulate in float32 with the exp2 form of the online softmax. Inputs are float32, float16 or
+It accumulates in float32 with the exp2 form of the online softmax. Inputs are float32, float16 or
 bfloat16 (float32 dots run in IEEE precision, not TF32, so they can match a float32 reference).
 A decode step's rows and table width pick its launch settings among a few (``decode_configs``: tiles,
 stages; one split or several; the merge's column block), which ``warm_up_decode`` compiles at
@@ -40,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,8 +41,9 @@ from encore.backends import kernel_variants
 from encore.backends.dense import project_values, runs_batched_gemv
 from encore.backends.gemv_triton import preload_then_wait
 from encore.backends.pdl import pdl_supported
+from encore.backends.triton_common import (DTYPES, KernelConfig, check, check_last_dim_contiguous,
+                                           check_same_device, dot_precision)
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KV_SPLITS = 64
 # A split shorter than this costs more in its fixed work (the query load, the merge) than it saves
 # (benchmarks/tune_mla_decode.py: bs 1 × 1k keys runs fastest at 32 splits of 32 keys).
@@ -69,28 +61,6 @@ _MERGE_FEW_ROWS_COLUMNS = 128
 _MERGE_VALUES_ELEMENTS = 16384
 _MERGE_VALUES_ROWS = 32
 _MERGE_VALUES_WARPS = 4
-_ROW_CHUNK = tl.constexpr(16)  # prefill rows scanned at a time when a program looks for its row
-
-
-@dataclass(frozen=True, slots=True)
-class KernelConfig:
-    """Tile sizes and launch options of one kernel (block_m: queries per program, block_n: keys per
-    iteration); powers of two of at least 16, as ``tl.dot`` needs."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value}: must be a power of two >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={self.num_warps}: must be 1, 2, 4, 8 or 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages}: must be >= 1")
 
 
 SMALL_DECODE = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
@@ -164,19 +134,6 @@ def decode_r_chunk(config: KernelConfig, block_r: int) -> int:
     return block_r if config.block_m >= 64 else max(16, block_r // 4)
 
 
-def default_prefill_config(dtype: torch.dtype) -> KernelConfig:
-    """Measured on an H100 (kernel time in a CUDA graph, 2026-11-21). 16-bit: 64 queries x 64 keys
-    on four warps, ahead of 128 x 64 on eight at every size tried: the V2-Lite shape (H 16, D 192,
-    Dv 128) 25 vs 45 us for 64 rows of 20 tokens, 105 vs 127 us for 4 x 1000, 331 vs 379 us for
-    1 x 4000. float32 (an exact ``ieee`` dot, no tensor cores): 32 x 32 on four warps, one stage;
-    larger tiles spill, and 128 x 64 was 10-25x slower (encore-tiny's H 4, D 96: 7 vs 173 us for 16
-    rows of 20 tokens, 89 vs 1070 us for 2 x 500). (64 x 32, four warps, one stage) faults with an
-    illegal address in bf16 under Triton 3.6, so it is not a candidate."""
-    if dtype == torch.float32:
-        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -197,25 +154,6 @@ def choose_num_kv_splits(batch: int, num_heads: int, q_len: int, max_seq_len: in
     by_occupancy = max(1, capacity // programs)
     by_length = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, config.block_n))
     return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        _check(t.stride(-1) == 1, f"{name} has stride {tuple(t.stride())}; its last dim must be contiguous")
-
-
-def _check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    _check(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit inputs
 
 
 @triton.jit
@@ -441,34 +379,34 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     from the SM count and the page table's capacity (``decode_launch``, or ``choose_num_kv_splits`` for
     a given config: static, so a captured graph stays valid for any seq_lens).
     """
-    _check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
+    check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
     tokens, heads, rank = q_lat.shape
-    _check(q_len >= 1 and tokens % q_len == 0, f"q_len={q_len} does not divide the {tokens} query tokens")
+    check(q_len >= 1 and tokens % q_len == 0, f"q_len={q_len} does not divide the {tokens} query tokens")
     batch = tokens // q_len
-    _check(q_lat.dtype in _DTYPES, f"q_lat dtype {q_lat.dtype} not in {_DTYPES}")
-    _check(q_pe.dtype == q_lat.dtype == kv_cache.dtype == out.dtype,
+    check(q_lat.dtype in DTYPES, f"q_lat dtype {q_lat.dtype} not in {DTYPES}")
+    check(q_pe.dtype == q_lat.dtype == kv_cache.dtype == out.dtype,
            f"dtypes differ: q_lat {q_lat.dtype}, q_pe {q_pe.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
-    _check(q_pe.dim() == 3 and q_pe.shape[:2] == (tokens, heads),
+    check(q_pe.dim() == 3 and q_pe.shape[:2] == (tokens, heads),
            f"q_pe {tuple(q_pe.shape)}: expected [{tokens}, {heads}, Dr] like q_lat {tuple(q_lat.shape)}")
     rope = q_pe.shape[2]
-    _check(kv_cache.dim() == 3 and kv_cache.shape[2] == rank + rope,
+    check(kv_cache.dim() == 3 and kv_cache.shape[2] == rank + rope,
            f"kv_cache {tuple(kv_cache.shape)}: expected [pages, page_size, {rank} + {rope}]")
     if w_vc is None:
-        _check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
+        check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
     else:
-        _check(w_vc.dim() == 3 and w_vc.shape[0] == heads and w_vc.shape[2] == rank and w_vc.dtype == q_lat.dtype,
+        check(w_vc.dim() == 3 and w_vc.shape[0] == heads and w_vc.shape[2] == rank and w_vc.dtype == q_lat.dtype,
                f"w_vc {tuple(w_vc.shape)} {w_vc.dtype}: expected [{heads}, dv, {rank}] {q_lat.dtype}")
-        _check(out.shape == (tokens, heads, w_vc.shape[1]),
+        check(out.shape == (tokens, heads, w_vc.shape[1]),
                f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {w_vc.shape[1]}] (w_vc's dv)")
-        _check_last_dim_contiguous(w_vc=w_vc)
-        _check_same_device(q_lat=q_lat, w_vc=w_vc)
-    _check(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
+        check_last_dim_contiguous(w_vc=w_vc)
+        check_same_device(q_lat=q_lat, w_vc=w_vc)
+    check(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
            f"page_table {tuple(page_table.shape)} {page_table.dtype}: expected [{batch}, max_pages] int32")
-    _check(page_table.stride(1) == 1, f"page_table stride {page_table.stride()}: rows must be contiguous")
-    _check(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+    check(page_table.stride(1) == 1, f"page_table stride {page_table.stride()}: rows must be contiguous")
+    check(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
            f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}: expected contiguous [{batch}] int32")
-    _check_last_dim_contiguous(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, out=out)
-    _check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
+    check_last_dim_contiguous(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, out=out)
+    check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
     page_size = kv_cache.shape[1]
     max_seq_len, num_sms = page_table.shape[1] * page_size, _num_sms(q_lat.device)
     if config is None:
@@ -476,7 +414,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         num_kv_splits = splits if num_kv_splits is None else num_kv_splits
     elif num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(batch, heads, q_len, max_seq_len, num_sms, config)
-    _check(1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits={num_kv_splits}: allowed 1..{MAX_KV_SPLITS}")
+    check(1 <= num_kv_splits <= MAX_KV_SPLITS, f"num_kv_splits={num_kv_splits}: allowed 1..{MAX_KV_SPLITS}")
     if tokens == 0:
         return out
 
@@ -498,7 +436,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         page_table.stride(0), latent.stride(0), latent.stride(1), num_kv_splits,
         NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, R_CHUNK=decode_r_chunk(config, block_r),
         BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=_dot_precision(q_lat.dtype), RELEASE=pdl, num_warps=config.num_warps,
+        DIRECT=direct, PRECISION=dot_precision(q_lat.dtype), RELEASE=pdl, num_warps=config.num_warps,
         num_stages=config.num_stages)
     block_s = triton.next_power_of_2(MAX_KV_SPLITS)
     if merge_values:
@@ -551,127 +489,3 @@ def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, r
                            num_kv_splits=splits, config=config)
                 launches += 1
     return launches
-
-
-@kernel_variants.watched
-@triton.jit(do_not_specialize=["num_rows"],
-            do_not_specialize_on_alignment=["QO_INDPTR", "KV_INDPTR", "PREFIX_LENS"])
-def _prefill_kernel(
-        Q, K, V, OUT, QO_INDPTR, KV_INDPTR, PREFIX_LENS, qk_scale, num_rows,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        D_A: tl.constexpr, D_B: tl.constexpr, BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    # Which row's query tile is this program's: tiles are numbered row after row. The rows are scanned
-    # in chunks of _ROW_CHUNK, so that no constexpr depends on the step's row count.
-    row = 0  # rows whose tiles all come before this one
-    first_tile = 0  # the first tile of row ``row``
-    tiles_before = 0
-    for r0 in range(0, num_rows, _ROW_CHUNK):
-        rows = r0 + tl.arange(0, _ROW_CHUNK)
-        in_batch = rows < num_rows
-        row_tiles = tl.cdiv(tl.load(QO_INDPTR + rows + 1, mask=in_batch, other=0)
-                            - tl.load(QO_INDPTR + rows, mask=in_batch, other=0), BLOCK_M)  # [CHUNK]
-        tiles_through = tiles_before + tl.cumsum(row_tiles, 0)
-        passed = in_batch & (tiles_through <= tile)
-        row += tl.sum(passed.to(tl.int32))
-        first_tile = tl.maximum(first_tile, tl.max(tl.where(passed, tiles_through, 0)))
-        tiles_before += tl.sum(row_tiles)
-    if row >= num_rows:  # the grid is an upper bound on the tile count
-        return
-    m_tile = tile - first_tile
-
-    q_start = tl.load(QO_INDPTR + row)
-    q_count = tl.load(QO_INDPTR + row + 1) - q_start
-    kv_start = tl.load(KV_INDPTR + row)
-    kv_len = tl.load(KV_INDPTR + row + 1) - kv_start
-    prefix = tl.load(PREFIX_LENS + row)
-    j = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] query index within the row
-    j_ok = j < q_count
-    query_pos = prefix + j
-    q_tok = (q_start + j).to(tl.int64)
-
-    da = tl.arange(0, D_A)
-    db = tl.arange(0, BLOCK_DB)
-    dv = tl.arange(0, BLOCK_DV)
-    q_row = Q + q_tok[:, None] * stride_qt + head * stride_qh
-    q_a = tl.load(q_row + da[None, :], mask=j_ok[:, None], other=0.0)  # [M, D_A]
-    if D_B > 0:
-        q_b = tl.load(q_row + D_A + db[None, :], mask=j_ok[:, None] & (db[None, :] < D_B), other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # Keys past the tile's last query position are invisible to the whole tile: stop there.
-    end = tl.minimum(kv_len, prefix + tl.minimum((m_tile + 1) * BLOCK_M, q_count))
-    for n0 in range(0, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        kv_tok = (kv_start + n).to(tl.int64)
-        k_row = K + kv_tok[:, None] * stride_kt + head * stride_kh
-        k_a = tl.load(k_row + da[None, :], mask=n_ok[:, None], other=0.0)  # [N, D_A]
-        s = tl.dot(q_a, tl.trans(k_a), input_precision=PRECISION)
-        if D_B > 0:
-            k_b = tl.load(k_row + D_A + db[None, :], mask=n_ok[:, None] & (db[None, :] < D_B), other=0.0)
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PRECISION)
-        s = s * qk_scale  # [M, N], log2 units
-        s = tl.where(n_ok[None, :] & (n[None, :] <= query_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep exp2 NaN-free
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                    mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)  # [N, DV]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(OUT + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :], acc.to(OUT.dtype.element_ty),
-             mask=j_ok[:, None] & (dv[None, :] < DV))
-
-
-def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
-                kv_indptr: torch.Tensor, prefix_lens: torch.Tensor, softmax_scale: float, out: torch.Tensor, *,
-                config: KernelConfig | None = None) -> torch.Tensor:
-    """Ragged causal MHA with a cached prefix, for the prefill rows' decompressed K/V.
-
-    q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]; row b owns queries qo_indptr[b]:qo_indptr[b+1] and keys
-    kv_indptr[b]:kv_indptr[b+1] (its prefix, then its new tokens); query j of row b sits at position
-    prefix_lens[b] + j and sees the row's keys 0..that position -> out [Tq, H, Dv]. Index tensors are
-    int32; queries no row owns are left untouched. The caller guarantees qo_indptr[-1] <= Tq and
-    kv_indptr[-1] <= Tk (checking would read the device). ``config`` None: ``default_prefill_config``.
-    """
-    _check(q.dim() == 3, f"q {tuple(q.shape)}: expected [Tq, H, D]")
-    tokens, heads, dim = q.shape
-    rows = prefix_lens.shape[0]
-    _check(q.dtype in _DTYPES, f"q dtype {q.dtype} not in {_DTYPES}")
-    _check(k.dtype == v.dtype == q.dtype == out.dtype,
-           f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
-    _check(k.dim() == 3 and k.shape[1:] == (heads, dim), f"k {tuple(k.shape)}: expected [Tk, {heads}, {dim}]")
-    _check(v.dim() == 3 and v.shape[:2] == k.shape[:2], f"v {tuple(v.shape)}: expected [{k.shape[0]}, {heads}, Dv]")
-    _check(out.shape == (tokens, heads, v.shape[2]),
-           f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {v.shape[2]}]")
-    for name, t, size in (("qo_indptr", qo_indptr, rows + 1), ("kv_indptr", kv_indptr, rows + 1),
-                          ("prefix_lens", prefix_lens, rows)):
-        _check(t.shape == (size,) and t.dtype == torch.int32 and t.is_contiguous(),
-               f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous [{size}] int32")
-    _check(dim >= 16, f"head dim {dim}: must be >= 16")
-    _check_last_dim_contiguous(q=q, k=k, v=v, out=out)
-    _check_same_device(q=q, k=k, v=v, qo_indptr=qo_indptr, kv_indptr=kv_indptr, prefix_lens=prefix_lens, out=out)
-    if tokens == 0 or rows == 0:
-        return out
-
-    config = config or default_prefill_config(q.dtype)
-    d_a = 1 << (dim.bit_length() - 1)  # the largest power of two in D; the rest is a second dot
-    d_b = dim - d_a
-    grid = (triton.cdiv(tokens, config.block_m) + rows, heads)
-    _prefill_kernel[grid](
-        q, k, v, out, qo_indptr, kv_indptr, prefix_lens, softmax_scale * math.log2(math.e), rows,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        D_A=d_a, D_B=d_b, BLOCK_DB=max(16, triton.next_power_of_2(d_b)), DV=v.shape[2],
-        BLOCK_DV=max(16, triton.next_power_of_2(v.shape[2])),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return out

@@ -50,8 +50,8 @@ from bench_decode_graphs import time_ms  # noqa: E402
 from bench_mla_decode import HEADS, RANK, ROPE, SCALE  # noqa: E402
 from encore.backends.base import MLADims  # noqa: E402
 from encore.backends.flashinfer_backend import _WORKSPACE_BYTES, _MLAPlan, _rows, unsupported_reason  # noqa: E402
-from encore.backends.triton_mla import (  # noqa: E402
-    KernelConfig, _num_sms, decode_launch, mla_decode)
+from encore.backends.triton_common import KernelConfig  # noqa: E402
+from encore.backends.triton_mla import _num_sms, decode_launch, mla_decode  # noqa: E402
 
 TOLERANCE = 2e-2
 MIN_SPLIT_KEYS = 16

@@ -1,4 +1,4 @@
-"""Tile sweep of the Triton MLA prefill kernel, to choose ``default_prefill_config`` (backends/triton_mla.py).
+"""Tile sweep of the Triton MLA prefill kernel, to choose ``default_prefill_config`` (backends/triton_mla_prefill.py).
 
 For float32 (the exact ``ieee`` dot) and bf16, every KernelConfig of a fixed list runs ragged causal
 prefills of two head shapes: encore-tiny's (H 4, D 96 = 64 + 32, Dv 32) and, in bf16, DeepSeek-V2-Lite's
@@ -35,7 +35,7 @@ def run_case(dtype, config, shape: tuple[int, int, int], rows: int, q_len: int, 
     import torch
     from tune_mla_decode import graph_us, max_rel_err
 
-    from encore.backends.triton_mla import mla_prefill
+    from encore.backends.triton_mla_prefill import mla_prefill
 
     heads, dim, dim_v = shape
     gen = torch.Generator("cuda").manual_seed(0)
@@ -64,7 +64,7 @@ def run_case(dtype, config, shape: tuple[int, int, int], rows: int, q_len: int, 
 def child(dtype_name: str, config: list[int]) -> None:
     import torch
 
-    from encore.backends.triton_mla import KernelConfig
+    from encore.backends.triton_common import KernelConfig
 
     dtype, cfg = getattr(torch, dtype_name), KernelConfig(*config)
     results = {name: run_case(dtype, cfg, shape, rows, q_len, span)
@@ -80,7 +80,7 @@ def main() -> None:
     if args.child:
         child(args.child[0], [int(x) for x in args.child[1:]])
         return
-    from encore.backends.triton_mla import default_prefill_config
+    from encore.backends.triton_mla_prefill import default_prefill_config
     import torch
 
     rows = []

@@ -20,9 +20,10 @@ from triton_interpreter import in_process, rerun_in_child  # before anything imp
 
 from encore.backends import triton_mla
 from encore.backends.dense import project_values
+from encore.backends.triton_common import KernelConfig
 from encore.backends.triton_mla import (
-    MAX_KV_SPLITS, KernelConfig, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, mla_prefill,
-    warm_up_decode)
+    MAX_KV_SPLITS, choose_num_kv_splits, decode_configs, decode_launch, mla_decode, warm_up_decode)
+from encore.backends.triton_mla_prefill import mla_prefill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
