@@ -1,0 +1,123 @@
+"""Where a decode step of DeepSeek-V2-Lite's shape goes on the GPU, kernel by kernel, in the real engine
+(random bf16 weights, ``bench_overlap.v2_lite_engine``: CUDA graphs, overlapped steps).
+
+``--bs`` requests of ``--context`` random prompt tokens are stepped until each has its first token;
+the next ``--steps`` decode steps run under the torch profiler. Each kernel is charged its share of
+the critical path: the time from the later of its start and the latest end of the kernels that
+started before it to its own end (0 where it ends under another one: a programmatic dependent that
+waits for the kernel before it is charged only what it adds after that kernel ends), so the shares
+of a step and its idle gaps add up to its GPU span. Kernels are grouped by name, a row a name: launches a step, the median share and duration of a
+launch, and the share a step (the rows sorted by it). The idle time between kernels is a row of its
+own. Medians of a launch are over every layer of every profiled step.
+
+    python benchmarks/profile_decode_kernels.py [--bs 1] [--context 1024] [--steps 32]
+        [--attention-backend auto] [--top 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_overlap import v2_lite_engine
+from encore.engine import SamplingParams
+
+IDLE = "(GPU idle between kernels)"
+
+
+def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
+    """(name, start, duration) of every kernel, in any order -> (name, duration, share, idle before) in
+    start order: share = its end minus the later of its start and the latest end before it (at least
+    0), idle = the time between that latest end and its start (0 if it starts before it)."""
+    rows, latest = [], None
+    for name, start, duration in sorted(kernels, key=lambda k: k[1]):
+        end = start + duration
+        begin = start if latest is None else max(start, latest)
+        rows.append((name, duration, max(0.0, end - begin), 0.0 if latest is None else max(0.0, start - latest)))
+        latest = end if latest is None else max(latest, end)
+    return rows
+
+
+def attribute(kernels: list[tuple[str, float, float]], steps: int) -> list[dict]:
+    """``critical_path``'s rows grouped by kernel name, plus the idle time as one row: launches a step,
+    median duration and share of a launch, share a step; sorted by share a step."""
+    by_name: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    idle = []
+    for name, duration, share, gap in critical_path(kernels):
+        by_name[name].append((duration, share))
+        idle.append(gap)
+    rows = [{"kernel": name, "launches_per_step": round(len(runs) / steps, 2),
+             "median_us": round(statistics.median(d for d, _ in runs), 2),
+             "median_share_us": round(statistics.median(s for _, s in runs), 2),
+             "share_us_per_step": round(sum(s for _, s in runs) / steps, 2)} for name, runs in by_name.items()]
+    rows.append({"kernel": IDLE, "launches_per_step": round(sum(g > 0 for g in idle) / steps, 2), "median_us": 0.0,
+                 "median_share_us": round(statistics.median(idle), 2) if idle else 0.0,
+                 "share_us_per_step": round(sum(idle) / steps, 2)})
+    return sorted(rows, key=lambda r: r["share_us_per_step"], reverse=True)
+
+
+def trace_kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of the GPU kernels in a finished profile (its Chrome trace)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def profile_decode(engine, bs: int, context: int, steps: int) -> list[tuple[str, float, float]]:
+    """The kernels of ``steps`` decode steps of ``bs`` fresh requests, after every request's first token."""
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(context)], params)
+    started: set[str] = set()
+    while len(started) < bs:
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return trace_kernels(prof)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bs", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    engine = v2_lite_engine([args.bs], args.context, args.steps + 8, args.attention_backend)
+    profile_decode(engine, args.bs, args.context, args.steps)  # warm-up: the first replays upload their graphs
+    kernels = profile_decode(engine, args.bs, args.context, args.steps)
+    rows = attribute(kernels, args.steps)
+    span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) / args.steps
+    device = torch.cuda.get_device_name()
+    print(f"{device}, V2-Lite shape, bs {args.bs} x {args.context}, {args.steps} decode steps: GPU span "
+          f"{span:.1f} µs a step, {len(kernels) / args.steps:.1f} kernels a step")
+    print("| kernel | launches a step | median µs | median share µs | share µs a step |\n|---|---|---|---|---|")
+    for r in rows[:args.top]:
+        print(f"| {r['kernel'][:90]} | {r['launches_per_step']} | {r['median_us']} | {r['median_share_us']} | "
+              f"{r['share_us_per_step']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "args": vars(args), "span_us_per_step": span,
+                                               "stats": engine.stats(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

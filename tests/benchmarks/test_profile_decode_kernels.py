@@ -1,0 +1,36 @@
+"""benchmarks/profile_decode_kernels.py's charging of kernels to the critical path, on made-up timelines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from profile_decode_kernels import IDLE, attribute, critical_path  # noqa: E402
+
+
+def test_a_kernel_under_another_is_charged_only_past_its_end():
+    # a: 0-10; b starts under a (a programmatic dependent) and ends at 12; c ends under b; d after a gap.
+    rows = critical_path([("d", 20.0, 5.0), ("a", 0.0, 10.0), ("c", 4.0, 6.0), ("b", 2.0, 10.0)])
+    assert [r[0] for r in rows] == ["a", "b", "c", "d"]
+    assert [r[2] for r in rows] == [10.0, 2.0, 0.0, 5.0]  # shares
+    assert [r[3] for r in rows] == [0.0, 0.0, 0.0, 8.0]  # idle before: 12 -> 20
+
+
+def test_shares_and_idle_add_up_to_the_span():
+    kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("merge", 6.0, 1.0), ("gemv", 8.0, 3.0), ("split", 10.0, 4.0)]
+    rows = critical_path(kernels)
+    span = max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)
+    assert sum(r[2] + r[3] for r in rows) == pytest.approx(span)
+
+
+def test_attribute_groups_by_name_per_step():
+    kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("gemv", 10.0, 3.0), ("split", 12.0, 5.0)]
+    rows = {r["kernel"]: r for r in attribute(kernels, steps=2)}
+    assert rows["gemv"]["launches_per_step"] == 1 and rows["gemv"]["share_us_per_step"] == 3.0
+    assert rows["split"]["median_us"] == 4.5 and rows["split"]["share_us_per_step"] == (3.5 + 4.0) / 2
+    assert rows[IDLE]["share_us_per_step"] == (10.0 - 6.5) / 2 and rows[IDLE]["launches_per_step"] == 0.5
+    assert list(rows) == sorted(rows, key=lambda k: rows[k]["share_us_per_step"], reverse=True)
