@@ -136,8 +136,8 @@ class OneTokenConfig:
 # At V2-Lite (H 2048, I 1408): a gate_up program holds 4 gate and 4 up rows of 2048 (352 programs a pair,
 # 127 registers a thread: four programs an SM), a down program 4 hidden rows of 1408 (tiles of 2048) of
 # each pair in turn, two pairs' tiles in flight (512 programs, 127 registers; 8 rows: 236, and at V3's
-# H 7168 they spill). NOT YET MEASURED (session 47; sm90 SASS read on the CPU). The tl.dot kernels they
-# replace: 39.4 µs a layer for both in 26 layers a CUDA graph, H200 (benchmarks/README.md, "Fused MoE").
+# H 7168 they spill). H200, bench_moe.py --tokens 1 --shared 2: 35.74 µs a layer against 37.46 for the
+# tl.dot kernels they replaced, 1.10x the read floor (benchmarks/README.md, "Session 48").
 ONE_TOKEN = OneTokenConfig(gate_n=4, down_n=4)
 
 
@@ -218,7 +218,7 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 
     -1 past the used blocks). Experts in ascending order, each one's pairs in pair order. ``chunk``: pairs
     read at a time (FusedMoEConfig.align_chunk)."""
     check(ids.dim() == 2 and ids.dtype == torch.int64 and ids.is_contiguous(),
-           f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [T, k] int64")
+          f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [T, k] int64")
     check(block_m >= 1, f"block_m={block_m}: must be >= 1")
     num_pairs = ids.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -440,24 +440,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     before their programmatic wait, which holds right after ``encore::route`` (its selection releases
     this kernel only once its own wait returns), not after a kernel that releases before it writes x."""
     check(x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} strides {x.stride()}: expected [T, H], "
-           "last dim contiguous")
+          "last dim contiguous")
     tokens, hidden = x.shape
     check(x.dtype in DTYPES, f"x dtype {x.dtype} not in {DTYPES}")
     check(w13.dtype == w2.dtype == x.dtype, f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
     check(w13.dim() == 3 and w13.shape[1] % 2 == 0 and w13.shape[2] == hidden and w13.is_contiguous(),
-           f"w13 {tuple(w13.shape)}: expected contiguous [E, 2I, {hidden}]")
+          f"w13 {tuple(w13.shape)}: expected contiguous [E, 2I, {hidden}]")
     experts, inter = w13.shape[0], w13.shape[1] // 2
     check(w2.shape == (experts, hidden, inter) and w2.is_contiguous(),
-           f"w2 {tuple(w2.shape)}: expected contiguous [{experts}, {hidden}, {inter}]")
+          f"w2 {tuple(w2.shape)}: expected contiguous [{experts}, {hidden}, {inter}]")
     check(ids.dim() == 2 and ids.shape[0] == tokens and ids.dtype == torch.int64 and ids.is_contiguous(),
-           f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [{tokens}, k] int64")
+          f"ids {tuple(ids.shape)} {ids.dtype}: expected contiguous [{tokens}, k] int64")
     check(weights.shape == ids.shape and weights.dtype == torch.float32 and weights.is_contiguous(),
-           f"weights {tuple(weights.shape)} {weights.dtype}: expected contiguous {tuple(ids.shape)} float32")
+          f"weights {tuple(weights.shape)} {weights.dtype}: expected contiguous {tuple(ids.shape)} float32")
     check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
     top_k = ids.shape[1]
     check(0 <= num_shared < max(top_k, 1) and num_shared <= experts,
-           f"num_shared={num_shared}: must be in 0..{max(top_k - 1, 0)} (fewer than the {top_k} pairs a token, "
-           f"at most the {experts} experts)")
+          f"num_shared={num_shared}: must be in 0..{max(top_k - 1, 0)} (fewer than the {top_k} pairs a token, "
+          f"at most the {experts} experts)")
     out = torch.empty_like(x)
     if tokens == 0 or top_k == 0:
         return out.zero_()

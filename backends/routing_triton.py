@@ -102,15 +102,15 @@ def select_experts_triton(router_logits: torch.Tensor, bias: torch.Tensor | None
     ids [T, k + S] int64), where the last S = ``num_shared`` columns are the shared experts fused into
     the routed ones (``moe.with_shared_experts``): ids E..E + S - 1, weight 1."""
     check(router_logits.dim() == 2 and router_logits.dtype == torch.float32 and router_logits.is_contiguous(),
-           f"router_logits {tuple(router_logits.shape)} {router_logits.dtype}: expected contiguous [T, E] float32")
+          f"router_logits {tuple(router_logits.shape)} {router_logits.dtype}: expected contiguous [T, E] float32")
     tokens, experts = router_logits.shape
     check(0 < top_k <= experts, f"top_k={top_k}: must be in 1..{experts} (the number of experts)")
     check(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r}: expected 'softmax' or 'sigmoid'")
     grouped = topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1
     if grouped:
         check(experts % n_group == 0 and 0 < topk_group <= n_group,
-               f"n_group={n_group}, topk_group={topk_group}: E={experts} must split into n_group equal groups, "
-               f"of which 1..n_group are kept")
+              f"n_group={n_group}, topk_group={topk_group}: E={experts} must split into n_group equal groups, "
+              f"of which 1..n_group are kept")
     if bias is not None:
         check(bias.shape == (experts,), f"bias {tuple(bias.shape)}: expected [{experts}]")
     check(num_shared >= 0, f"num_shared={num_shared}: must be >= 0")

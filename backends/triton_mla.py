@@ -276,17 +276,17 @@ def _decode_split_kernel(
         m_i = m_new
 
     seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)[:, None]
+    l_safe = tl.where(seen, l_i, 1.0)  # [M]: a query that saw no key stores 0
     if DIRECT:
         rows = OUT + tok * stride_ot + head * stride_oh  # [M]
     else:
         part = (tok * NUM_HEADS + head) * num_splits + split  # [M] row of the [T, H, S] workspace
         rows = PART_O + part * R
-        tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=pair_ok)
-    _store_chunk(rows, pair_ok, acc0 / l_safe, 0, R, R_CHUNK)
-    _store_chunk(rows, pair_ok, acc1 / l_safe, 1, R, R_CHUNK)
-    _store_chunk(rows, pair_ok, acc2 / l_safe, 2, R, R_CHUNK)
-    _store_chunk(rows, pair_ok, acc3 / l_safe, 3, R, R_CHUNK)
+        tl.store(PART_LSE + part, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=pair_ok)
+    _store_chunk(rows, pair_ok, acc0 / l_safe[:, None], 0, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc1 / l_safe[:, None], 1, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc2 / l_safe[:, None], 2, R, R_CHUNK)
+    _store_chunk(rows, pair_ok, acc3 / l_safe[:, None], 3, R, R_CHUNK)
 
 
 @triton.jit
@@ -385,26 +385,26 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     batch = tokens // q_len
     check(q_lat.dtype in DTYPES, f"q_lat dtype {q_lat.dtype} not in {DTYPES}")
     check(q_pe.dtype == q_lat.dtype == kv_cache.dtype == out.dtype,
-           f"dtypes differ: q_lat {q_lat.dtype}, q_pe {q_pe.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
+          f"dtypes differ: q_lat {q_lat.dtype}, q_pe {q_pe.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
     check(q_pe.dim() == 3 and q_pe.shape[:2] == (tokens, heads),
-           f"q_pe {tuple(q_pe.shape)}: expected [{tokens}, {heads}, Dr] like q_lat {tuple(q_lat.shape)}")
+          f"q_pe {tuple(q_pe.shape)}: expected [{tokens}, {heads}, Dr] like q_lat {tuple(q_lat.shape)}")
     rope = q_pe.shape[2]
     check(kv_cache.dim() == 3 and kv_cache.shape[2] == rank + rope,
-           f"kv_cache {tuple(kv_cache.shape)}: expected [pages, page_size, {rank} + {rope}]")
+          f"kv_cache {tuple(kv_cache.shape)}: expected [pages, page_size, {rank} + {rope}]")
     if w_vc is None:
         check(out.shape == q_lat.shape, f"out {tuple(out.shape)} must match q_lat {tuple(q_lat.shape)}")
     else:
         check(w_vc.dim() == 3 and w_vc.shape[0] == heads and w_vc.shape[2] == rank and w_vc.dtype == q_lat.dtype,
-               f"w_vc {tuple(w_vc.shape)} {w_vc.dtype}: expected [{heads}, dv, {rank}] {q_lat.dtype}")
+              f"w_vc {tuple(w_vc.shape)} {w_vc.dtype}: expected [{heads}, dv, {rank}] {q_lat.dtype}")
         check(out.shape == (tokens, heads, w_vc.shape[1]),
-               f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {w_vc.shape[1]}] (w_vc's dv)")
+              f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {w_vc.shape[1]}] (w_vc's dv)")
         check_last_dim_contiguous(w_vc=w_vc)
         check_same_device(q_lat=q_lat, w_vc=w_vc)
     check(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
-           f"page_table {tuple(page_table.shape)} {page_table.dtype}: expected [{batch}, max_pages] int32")
+          f"page_table {tuple(page_table.shape)} {page_table.dtype}: expected [{batch}, max_pages] int32")
     check(page_table.stride(1) == 1, f"page_table stride {page_table.stride()}: rows must be contiguous")
     check(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-           f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}: expected contiguous [{batch}] int32")
+          f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}: expected contiguous [{batch}] int32")
     check_last_dim_contiguous(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, out=out)
     check_same_device(q_lat=q_lat, q_pe=q_pe, kv_cache=kv_cache, page_table=page_table, seq_lens=seq_lens, out=out)
     page_size = kv_cache.shape[1]

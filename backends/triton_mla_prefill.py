@@ -139,15 +139,15 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: to
     rows = prefix_lens.shape[0]
     check(q.dtype in DTYPES, f"q dtype {q.dtype} not in {DTYPES}")
     check(k.dtype == v.dtype == q.dtype == out.dtype,
-           f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
+          f"dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}")
     check(k.dim() == 3 and k.shape[1:] == (heads, dim), f"k {tuple(k.shape)}: expected [Tk, {heads}, {dim}]")
     check(v.dim() == 3 and v.shape[:2] == k.shape[:2], f"v {tuple(v.shape)}: expected [{k.shape[0]}, {heads}, Dv]")
     check(out.shape == (tokens, heads, v.shape[2]),
-           f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {v.shape[2]}]")
+          f"out {tuple(out.shape)}: expected [{tokens}, {heads}, {v.shape[2]}]")
     for name, t, size in (("qo_indptr", qo_indptr, rows + 1), ("kv_indptr", kv_indptr, rows + 1),
                           ("prefix_lens", prefix_lens, rows)):
         check(t.shape == (size,) and t.dtype == torch.int32 and t.is_contiguous(),
-               f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous [{size}] int32")
+              f"{name} {tuple(t.shape)} {t.dtype}: expected contiguous [{size}] int32")
     check(dim >= 16, f"head dim {dim}: must be >= 16")
     check_last_dim_contiguous(q=q, k=k, v=v, out=out)
     check_same_device(q=q, k=k, v=v, qo_indptr=qo_indptr, kv_indptr=kv_indptr, prefix_lens=prefix_lens, out=out)

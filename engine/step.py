@@ -93,14 +93,14 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
                stream: torch.cuda.Stream | None = None) -> ForwardBatch:
     """The step layout from its host lists, in one host-to-device copy (``host_tensors.upload``, on
     ``stream`` if given) split into views on the device; page-table rows are padded with 0 to the
-    longest. ``tables`` are copied (a request's table is the KV manager's own list, which grows).
+    longest. ``page_table_cpu`` holds ``tables`` themselves (the KV manager's own lists, which grow in
+    later steps: ``StepBuffers`` copies a row only when it changes).
     A DECODE step that replays a graph key with all its rows greedy reads none of these device tensors
     (graphs/padding.py writes the key's buffers from the host lists), so on CUDA the engine sends them
     on a stream of their own, where the copy need not wait behind the step before."""
     max_pages = max((len(t) for t in tables), default=0)
-    rows = [list(t) for t in tables]
     flat_table: list[int] = []  # [bs * max_pages]
-    for t in rows:
+    for t in tables:
         flat_table += t
         flat_table += [0] * (max_pages - len(t))
     tokens, bs = len(input_ids), len(seq_lens)
@@ -126,7 +126,7 @@ def pack_batch(num_extends: int, q_len_per_req: int, page_size: int, input_ids: 
         positions_cpu=positions,
         slot_mapping_cpu=slots,
         qo_indptr_cpu=qo_indptr,
-        page_table_cpu=rows,
+        page_table_cpu=tables,
     )
 
 

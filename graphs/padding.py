@@ -155,8 +155,8 @@ class StepBuffers:
     def _table_writes(self, rows: list[list[int]]) -> tuple[list[int], list[int]]:
         """The page-table entries to write so that row i holds ``rows[i]``, then the dummy page: (flat
         indices, values), from where each row's new pages part from what it holds to the end of the
-        longer of the two. Records the rows as written (kept as given: a step's ``page_table_cpu`` is its
-        own copy, engine.step.pack_batch)."""
+        longer of the two. Records a copy of each row it writes (a step's ``page_table_cpu`` holds the KV
+        manager's own lists, which grow in later steps; engine.step.pack_batch), nothing for the others."""
         too_long = next((r for r, new in enumerate(rows) if len(new) > self.max_pages), None)
         if too_long is not None:  # before any row is recorded: what is recorded is what the device will hold
             raise ValueError(f"row {too_long} has {len(rows[too_long])} pages; the graph buffers hold {self.max_pages}")
@@ -171,7 +171,7 @@ class StepBuffers:
             index += range(base + same, base + end)
             values += new[same:]
             values += [DUMMY_PAGE] * (end - max(same, len(new)))
-            self._table_rows[r] = new
+            self._table_rows[r] = list(new)
         return index, values
 
 

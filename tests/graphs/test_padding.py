@@ -125,8 +125,7 @@ def decode_step(tables: list[list[int]], page_size: int = 4):
 def test_page_table_holds_each_rows_pages_then_the_dummy_page_and_writes_only_changes():
     """Row by row, the static table is the step's pages and then the dummy page, as a step's table
     promises; what a row already holds is not written again. The tables are the KV manager's own
-    lists, which grow after the step: the step keeps what they held then (pack_batch's copy), which is
-    what the buffers remember having written."""
+    lists, which grow after the step: the buffers remember a copy of what they wrote, not the lists."""
     buffers = StepBuffers(8, 4, 6, 4, torch.device("cpu"), full_page_table=True)
     key = GraphKey(0, 1, 4, 4)
     writes = []
