@@ -6,12 +6,15 @@ the next ``--steps`` decode steps run under the torch profiler. Each kernel is c
 the critical path: the time from the later of its start and the latest end of the kernels that
 started before it to its own end (0 where it ends under another one: a programmatic dependent that
 waits for the kernel before it is charged only what it adds after that kernel ends), so the shares
-of a step and its idle gaps add up to its GPU span. Kernels are grouped by name, a row a name: launches a step, the median share and duration of a
+of a step and its idle gaps add up to its GPU span. Kernels are grouped by name and grid (a GEMV's
+grid tells its weights apart), a row each: launches a step, the median share and duration of a
 launch, and the share a step (the rows sorted by it). The idle time between kernels is a row of its
-own. Medians of a launch are over every layer of every profiled step.
+own. Medians of a launch are over every layer of every profiled step. Then the middle step's kernels
+one by one, in launch order (``--timeline`` of them, from its ``--timeline-from``-th): start from the
+step's first kernel, duration, share, idle before.
 
     python benchmarks/profile_decode_kernels.py [--bs 1] [--context 1024] [--steps 32]
-        [--attention-backend auto] [--top 30] [--json out.json]
+        [--attention-backend auto] [--top 30] [--timeline 40] [--timeline-from 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,15 +36,15 @@ from encore.engine import SamplingParams
 IDLE = "(GPU idle between kernels)"
 
 
-def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float]]:
-    """(name, start, duration) of every kernel, in any order -> (name, duration, share, idle before) in
-    start order: share = its end minus the later of its start and the latest end before it (at least
+def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float, float]]:
+    """(name, start, duration) of every kernel, in any order -> (name, start, duration, share, idle
+    before) in start order: share = its end minus the later of its start and the latest end before it (at least
     0), idle = the time between that latest end and its start (0 if it starts before it)."""
     rows, latest = [], None
     for name, start, duration in sorted(kernels, key=lambda k: k[1]):
         end = start + duration
         begin = start if latest is None else max(start, latest)
-        rows.append((name, duration, max(0.0, end - begin), 0.0 if latest is None else max(0.0, start - latest)))
+        rows.append((name, start, duration, max(0.0, end - begin), 0.0 if latest is None else max(0.0, start - latest)))
         latest = end if latest is None else max(latest, end)
     return rows
 
@@ -51,7 +54,7 @@ def attribute(kernels: list[tuple[str, float, float]], steps: int) -> list[dict]
     median duration and share of a launch, share a step; sorted by share a step."""
     by_name: dict[str, list[tuple[float, float]]] = defaultdict(list)
     idle = []
-    for name, duration, share, gap in critical_path(kernels):
+    for name, _, duration, share, gap in critical_path(kernels):
         by_name[name].append((duration, share))
         idle.append(gap)
     rows = [{"kernel": name, "launches_per_step": round(len(runs) / steps, 2),
@@ -64,13 +67,26 @@ def attribute(kernels: list[tuple[str, float, float]], steps: int) -> list[dict]
     return sorted(rows, key=lambda r: r["share_us_per_step"], reverse=True)
 
 
+def step_timeline(kernels: list[tuple[str, float, float]], steps: int, step: int) -> list[dict]:
+    """``critical_path``'s rows of one step (each step launches the same number of kernels), its start
+    made relative to the step's first kernel."""
+    rows = critical_path(kernels)
+    if len(rows) % steps:
+        raise ValueError(f"{len(rows)} kernels in {steps} steps: the steps differ in their kernels")
+    per_step = len(rows) // steps
+    rows = rows[step * per_step:(step + 1) * per_step]
+    return [{"kernel": name, "start_us": round(start - rows[0][1], 2), "us": round(duration, 2),
+             "share_us": round(share, 2), "idle_before_us": round(gap, 2)} for name, start, duration, share, gap in rows]
+
+
 def trace_kernels(prof) -> list[tuple[str, float, float]]:
-    """(name, start µs, duration µs) of the GPU kernels in a finished profile (its Chrome trace)."""
+    """(name and grid, start µs, duration µs) of the GPU kernels in a finished profile (its Chrome trace)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return [(f"{e['name']} {tuple(e['args']['grid'])}" if "grid" in e.get("args", {}) else e["name"],
+             float(e["ts"]), float(e["dur"])) for e in kernels]
 
 
 def profile_decode(engine, bs: int, context: int, steps: int) -> list[tuple[str, float, float]]:
@@ -100,6 +116,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--timeline", type=int, default=40)
+    parser.add_argument("--timeline-from", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
     engine = v2_lite_engine([args.bs], args.context, args.steps + 8, args.attention_backend)
@@ -114,9 +132,15 @@ def main() -> None:
     for r in rows[:args.top]:
         print(f"| {r['kernel'][:90]} | {r['launches_per_step']} | {r['median_us']} | {r['median_share_us']} | "
               f"{r['share_us_per_step']} |")
+    timeline = step_timeline(kernels, args.steps, args.steps // 2)
+    print(f"\nstep {args.steps // 2}, kernels {args.timeline_from}.. in launch order\n"
+          "| # | kernel | start µs | µs | share µs | idle before µs |\n|---|---|---|---|---|---|")
+    for i, r in enumerate(timeline[args.timeline_from:args.timeline_from + args.timeline], args.timeline_from):
+        print(f"| {i} | {r['kernel'][:90]} | {r['start_us']} | {r['us']} | {r['share_us']} | {r['idle_before_us']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "args": vars(args), "span_us_per_step": span,
-                                               "stats": engine.stats(), "rows": rows}, indent=1))
+                                               "stats": engine.stats(), "rows": rows,
+                                               "timeline": timeline}, indent=1))
 
 
 if __name__ == "__main__":

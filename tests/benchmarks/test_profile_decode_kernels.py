@@ -9,22 +9,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from profile_decode_kernels import IDLE, attribute, critical_path  # noqa: E402
+from profile_decode_kernels import IDLE, attribute, critical_path, step_timeline  # noqa: E402
 
 
 def test_a_kernel_under_another_is_charged_only_past_its_end():
     # a: 0-10; b starts under a (a programmatic dependent) and ends at 12; c ends under b; d after a gap.
     rows = critical_path([("d", 20.0, 5.0), ("a", 0.0, 10.0), ("c", 4.0, 6.0), ("b", 2.0, 10.0)])
     assert [r[0] for r in rows] == ["a", "b", "c", "d"]
-    assert [r[2] for r in rows] == [10.0, 2.0, 0.0, 5.0]  # shares
-    assert [r[3] for r in rows] == [0.0, 0.0, 0.0, 8.0]  # idle before: 12 -> 20
+    assert [r[3] for r in rows] == [10.0, 2.0, 0.0, 5.0]  # shares
+    assert [r[4] for r in rows] == [0.0, 0.0, 0.0, 8.0]  # idle before: 12 -> 20
 
 
 def test_shares_and_idle_add_up_to_the_span():
     kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("merge", 6.0, 1.0), ("gemv", 8.0, 3.0), ("split", 10.0, 4.0)]
     rows = critical_path(kernels)
     span = max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)
-    assert sum(r[2] + r[3] for r in rows) == pytest.approx(span)
+    assert sum(r[3] + r[4] for r in rows) == pytest.approx(span)
 
 
 def test_attribute_groups_by_name_per_step():
@@ -34,3 +34,12 @@ def test_attribute_groups_by_name_per_step():
     assert rows["split"]["median_us"] == 4.5 and rows["split"]["share_us_per_step"] == (3.5 + 4.0) / 2
     assert rows[IDLE]["share_us_per_step"] == (10.0 - 6.5) / 2 and rows[IDLE]["launches_per_step"] == 0.5
     assert list(rows) == sorted(rows, key=lambda k: rows[k]["share_us_per_step"], reverse=True)
+
+
+def test_step_timeline_is_one_steps_kernels_from_its_start():
+    kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("gemv", 10.0, 3.0), ("split", 14.0, 5.0)]
+    second = step_timeline(kernels, steps=2, step=1)
+    assert [(r["kernel"], r["start_us"], r["share_us"], r["idle_before_us"]) for r in second] == [
+        ("gemv", 0.0, 3.0, 3.5), ("split", 4.0, 5.0, 1.0)]
+    with pytest.raises(ValueError, match="3 kernels in 2 steps"):
+        step_timeline(kernels[:3], steps=2, step=0)
