@@ -89,8 +89,11 @@ class TritonAttentionBackend(AttentionBackend):
                   cache: torch.Tensor, out: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor,
                   q_len: int, q_lat: torch.Tensor | None = None) -> None:
         """Absorbed MLA of rows of ``q_len`` tokens over their ``pages`` [B, P] up to ``seq_lens`` [B];
-        ``q_lat``: their latent query, if already computed."""
+        ``q_lat``: their latent query, if already computed (by the one-token RoPE + absorb kernel, which
+        releases the decode kernel only after its own wait: the tables, uploaded with the step or
+        computed before it, are complete by then, ``mla_decode``'s ``tables_ready``)."""
+        computed = q_lat is not None
         if q_lat is None:
             q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]
         mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, out,
-                   w_vc=w_vc.to(q_lat.dtype))
+                   w_vc=w_vc.to(q_lat.dtype), tables_ready=computed)

@@ -209,7 +209,7 @@ def _decode_split_kernel(
         num_splits, NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
         R: tl.constexpr, DR: tl.constexpr, R_CHUNK: tl.constexpr, BLOCK_DR: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-        RELEASE: tl.constexpr):
+        RELEASE: tl.constexpr, DEPENDENT: tl.constexpr):
     # Head blocks vary fastest in the launch order, so the programs that read the same KV tiles run
     # together and all but the first find them in L2. The latent columns are (up to) four chunks of
     # R_CHUNK, each its own query, key, score and accumulator tile: on the MMAs of a small tile one
@@ -230,6 +230,11 @@ def _decode_split_kernel(
     split_len = _split_keys(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if DEPENDENT:  # launched as a programmatic dependent (``tables_ready``): the row's length and its first
+        # tile's pages are read under the kernel before, which wrote the queries and this step's key
+        first = start + tl.arange(0, BLOCK_N)
+        first_pages = tl.load(PAGE_TABLE + b * stride_ptb + first // PAGE_SIZE, mask=first < end, other=0)
+        tl.extra.cuda.gdc_wait()
 
     d = tl.arange(0, BLOCK_DR)
     q_rows = Q + tok * stride_qt + head * stride_qh  # [M]
@@ -249,7 +254,12 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
         n_ok = n < end
-        page = tl.load(PAGE_TABLE + b * stride_ptb + n // PAGE_SIZE, mask=n_ok, other=0)
+        if DEPENDENT:
+            later = n0 > start
+            page = tl.where(later, tl.load(PAGE_TABLE + b * stride_ptb + n // PAGE_SIZE, mask=n_ok & later, other=0),
+                            first_pages)
+        else:
+            page = tl.load(PAGE_TABLE + b * stride_ptb + n // PAGE_SIZE, mask=n_ok, other=0)
         entry = KV + page.to(tl.int64) * stride_kvp + (n % PAGE_SIZE) * stride_kvs  # [N] latent entries
         kv0 = _load_chunk(entry, n_ok, 0, R, R_CHUNK)  # [N, R_CHUNK]
         kv1 = _load_chunk(entry, n_ok, 1, R, R_CHUNK)
@@ -343,8 +353,9 @@ def _decode_merge_values_kernel(PART_O, PART_LSE, SEQ_LENS, W, OUT, num_splits, 
     # latent of head h, rounded to the model's dtype as the unmerged path stores it, is multiplied against
     # it: the GEMV of ``dense.project_values`` with the merge as its prologue. Every program of a head
     # merges the head's splits itself (no second launch, no latent output in memory). The row's length is
-    # read before the wait too: the split kernel, which releases this one at its start, is a plain launch,
-    # so whatever wrote the length had finished before it began.
+    # read before the wait too: the split kernel releases this one at its start, and it began either
+    # plainly, once whatever wrote the length had finished, or (``tables_ready``) as a dependent of a
+    # kernel that releases it only once everything before that kernel had finished.
     seq_len = tl.load(SEQ_LENS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head = tl.program_id(1)
@@ -363,7 +374,7 @@ def _decode_merge_values_kernel(PART_O, PART_LSE, SEQ_LENS, W, OUT, num_splits, 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, q_len: int, softmax_scale: float, out: torch.Tensor, *,
                w_vc: torch.Tensor | None = None, num_kv_splits: int | None = None,
-               config: KernelConfig | None = None) -> torch.Tensor:
+               config: KernelConfig | None = None, tables_ready: bool = False) -> torch.Tensor:
     """Absorbed MLA decode of B rows of ``q_len`` tokens each over the paged latent cache.
 
     q_lat [B·q_len, H, R] (q_nope·W_kc), q_pe [B·q_len, H, Dr], kv_cache [pages, page_size, R + Dr],
@@ -378,6 +389,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     caller guarantees seq_lens[b] <= max_pages·page_size. ``config`` and ``num_kv_splits`` None: chosen
     from the SM count and the page table's capacity (``decode_launch``, or ``choose_num_kv_splits`` for
     a given config: static, so a captured graph stays valid for any seq_lens).
+    ``tables_ready``: ``seq_lens`` and ``page_table`` were complete before the kernel launched last began,
+    and that kernel releases its programmatic dependents only after its own wait (the one-token RoPE +
+    absorb kernel, ``rope_cache_triton``): the split kernel then launches as its dependent and reads the
+    row's length and first pages before it waits (sm90+).
     """
     check(q_lat.dim() == 3, f"q_lat {tuple(q_lat.shape)}: expected [B·q_len, H, R]")
     tokens, heads, rank = q_lat.shape
@@ -428,6 +443,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         part_o = torch.empty(tokens, heads, num_kv_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(tokens, heads, num_kv_splits, dtype=torch.float32, device=out.device)
     pdl = merge_values and pdl_supported(out.device)
+    dependent = tables_ready and pdl_supported(out.device)
     block_r = max(16, triton.next_power_of_2(rank))
     grid = (triton.cdiv(q_len * heads, config.block_m), batch, num_kv_splits)
     _decode_split_kernel[grid](
@@ -436,8 +452,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         page_table.stride(0), latent.stride(0), latent.stride(1), num_kv_splits,
         NUM_HEADS=heads, Q_LEN=q_len, PAGE_SIZE=page_size, R=rank, DR=rope, R_CHUNK=decode_r_chunk(config, block_r),
         BLOCK_DR=max(16, triton.next_power_of_2(rope)), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DIRECT=direct, PRECISION=dot_precision(q_lat.dtype), RELEASE=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        DIRECT=direct, PRECISION=dot_precision(q_lat.dtype), RELEASE=pdl, DEPENDENT=dependent,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=dependent)
     block_s = triton.next_power_of_2(MAX_KV_SPLITS)
     if merge_values:
         block_n = max(1, min(_MERGE_VALUES_ROWS, _MERGE_VALUES_ELEMENTS // block_r))
@@ -469,9 +485,10 @@ def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, r
                    softmax_scale: float) -> int:
     """Launches ``mla_decode`` once per kernel variant a step with rows of ``q_len`` tokens can reach
     (each ``decode_configs`` entry, with one split and with several, each merge width, the merge that
-    projects values) on scratch queries over ``page`` of ``cache`` (contents unused), laid out as the
-    Triton backend lays out its own (q_lat head-major, values through a W_vc of ``v_head_dim`` rows a
-    head); returns the launches. Variants compiled here are not compiled while serving."""
+    projects values, one token's split kernel as a dependent) on scratch queries over ``page`` of
+    ``cache`` (contents unused), laid out as the Triton backend lays out its own (q_lat head-major,
+    values through a W_vc of ``v_head_dim`` rows a head); returns the launches. Variants compiled here
+    are not compiled while serving."""
     rank, page_size = cache.shape[2] - rope, cache.shape[1]
     width = triton.cdiv(q_len, page_size)
     w_vc = torch.zeros(num_heads, v_head_dim, rank, dtype=cache.dtype, device=cache.device)
@@ -483,9 +500,12 @@ def warm_up_decode(cache: torch.Tensor, page: int, num_heads: int, q_len: int, r
         table = torch.full((rows, width), page, dtype=torch.int32, device=cache.device)
         seq_lens = torch.full((rows,), q_len, dtype=torch.int32, device=cache.device)
         out = torch.empty(tokens, num_heads, v_head_dim, dtype=cache.dtype, device=cache.device)
+        # one token: also as a dependent (``tables_ready``), where a launch can be one (sm90+)
+        readiness = (False, True) if tokens == 1 and pdl_supported(cache.device) else (False,)
         for config in decode_configs(num_heads, q_len, cache.dtype):
             for splits in (1, 2):
-                mla_decode(q_lat, q_pe, cache, table, seq_lens, q_len, softmax_scale, out, w_vc=w_vc,
-                           num_kv_splits=splits, config=config)
-                launches += 1
+                for ready in readiness:
+                    mla_decode(q_lat, q_pe, cache, table, seq_lens, q_len, softmax_scale, out, w_vc=w_vc,
+                               num_kv_splits=splits, config=config, tables_ready=ready)
+                    launches += 1
     return launches

@@ -1,8 +1,9 @@
 """Compiles ``triton_mla._decode_split_kernel`` for sm90 (no GPU needed: Triton's own ptxas) at V2-Lite's
 attention (16 heads, rank 512 + 64, bf16, page size 64), rows of 1, 2 and 4 tokens, with each launch
 setting ``decode_configs`` lists, and prints a JSON object: for each "q_len,block_m,block_n,warps,stages" the
-registers a thread, the count of tensor-core MMAs (HMMA, or HGMMA for warpgroup MMAs) and the longest
-chain of HMMAs each accumulating onto the one before. Run in a child process by test_triton_mla.py: the
+registers a thread, the count of tensor-core MMAs (HMMA, or HGMMA for warpgroup MMAs), the longest
+chain of HMMAs each accumulating onto the one before, and the global loads before the wait of a kernel
+launched as a programmatic dependent (one token's, as bs 1 launches it on sm90+). Run in a child process by test_triton_mla.py: the
 CPU tests' interpreter mode cannot compile."""
 
 from __future__ import annotations
@@ -38,18 +39,25 @@ def longest_chain(sass: str) -> int:
     return best
 
 
+def loads_before_wait(sass: str) -> int | None:
+    """Global loads (LDG) before the programmatic-dependent wait (ACQBULK); None if the kernel never waits."""
+    wait = sass.find("ACQBULK")
+    return None if wait < 0 else len(re.findall(r"\bLDG\.", sass[:wait]))
+
+
 def main() -> None:
     signature = {a: TYPES.get(a, "i32") for a in ARGS}
     found = {}
     for q_len, config in ((q, c) for q in (1, 2, 4) for c in decode_configs(16, q, torch.bfloat16)):
         constants = dict(NUM_HEADS=16, Q_LEN=q_len, PAGE_SIZE=64, R=512, DR=64, R_CHUNK=decode_r_chunk(config, 512),
                          BLOCK_DR=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n, DIRECT=False, PRECISION="tf32",
-                         RELEASE=True)
+                         RELEASE=True, DEPENDENT=q_len == 1)  # one token: as bs 1 launches it on sm90+
         sass, registers = compile_sass(_decode_split_kernel, signature, ALIGNED, constants, config.num_warps,
                                        config.num_stages)
         key = f"{q_len},{config.block_m},{config.block_n},{config.num_warps},{config.num_stages}"
         found[key] = {"registers": registers, "hmma": len(re.findall(r"\bHMMA\.", sass)),
-                      "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "longest_chain": longest_chain(sass)}
+                      "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "longest_chain": longest_chain(sass),
+                      "loads_before_wait": loads_before_wait(sass)}
     json.dump(found, sys.stdout)
 
 

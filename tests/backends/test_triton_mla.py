@@ -220,8 +220,9 @@ def test_split_tiles_compile_to_short_mma_chains():
     """The split kernel's scores at V2-Lite's rank: on the MMAs of the small and middle tiles no HMMA
     waits on a chain of more than 12 before it (the four latent chunks' 8 and the rope part's 4; one
     dot over the 512 columns was a chain of 32 + 4), with no fewer MMAs in all; the 64-pair tile stays on
-    warpgroup MMAs. sm90 SASS from Triton's own ptxas, no GPU needed (split_sass.py, in a child process
-    without the interpreter)."""
+    warpgroup MMAs. One token's kernel, a programmatic dependent, loads the row's length and its first
+    pages before its wait (the length and one page a thread at least); the others never wait. sm90 SASS
+    from Triton's own ptxas, no GPU needed (split_sass.py, in a child process without the interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run([sys.executable, str(Path(__file__).with_name("split_sass.py"))], env=env,
                            capture_output=True, text=True)
@@ -234,6 +235,10 @@ def test_split_tiles_compile_to_short_mma_chains():
             assert tile["hgmma"] > 0 and tile["hmma"] == 0, (key, tile)
         else:
             assert tile["hmma"] == 68 * block_m // 16 and tile["longest_chain"] <= 12, (key, tile)
+        if key.startswith("1,"):
+            assert tile["loads_before_wait"] >= 2, (key, tile)
+        else:
+            assert tile["loads_before_wait"] is None, (key, tile)
 
 
 def values_reference(latent, w_vc):
@@ -432,8 +437,9 @@ def test_decode_values_one_token_gpu(heads, seq_len, dtype):
     """One token's values through the merge that projects them (a programmatic dependent of the split
     kernel on sm90+), at real sizes and split counts (a table of 16k keys: 64 splits, most of them
     empty for short rows): the float32 reference within tolerance, the latent output followed by
-    ``project_values`` within rounding (the splits are summed in another order), and a CUDA graph's
-    replay bit for bit."""
+    ``project_values`` within rounding (the splits are summed in another order), the split kernel
+    launched as a dependent (``tables_ready``: the length and first pages read before its wait; at 16k
+    keys a split has several tiles) bit for bit, and a CUDA graph's replay of that bit for bit."""
     q_lat, q_pe, cache, page_table, lens = make_decode([seq_len], 1, heads, 512, 64, 64, dtype, spare_pages=260)
     gen = torch.Generator().manual_seed(3)
     w_vc = (torch.randn(heads, 256, 512, generator=gen) * 0.05).to(device=DEVICE, dtype=dtype)[:, 128:]
@@ -443,14 +449,17 @@ def test_decode_values_one_token_gpu(heads, seq_len, dtype):
     project_values(latent, w_vc, two_kernels)
     out = torch.empty_like(two_kernels)
 
-    def run():
-        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, scale, out, w_vc=w_vc)
+    def run(tables_ready=True):
+        mla_decode(q_lat, q_pe, cache, page_table, lens, 1, scale, out, w_vc=w_vc, tables_ready=tables_ready)
 
-    run()
+    run(tables_ready=False)
     eager = out.clone()
     assert max_rel_error(eager, two_kernels.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
     ref = values_reference(decode_reference(q_lat, q_pe, cache, page_table, lens, 1, scale), w_vc)
     assert max_rel_error(eager, ref) < (BF16_TOL if dtype == torch.bfloat16 else 1e-4)
+    out.zero_()
+    run()
+    assert torch.equal(out, eager)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
