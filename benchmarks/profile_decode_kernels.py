@@ -76,7 +76,8 @@ def step_timeline(kernels: list[tuple[str, float, float]], steps: int, step: int
     per_step = len(rows) // steps
     rows = rows[step * per_step:(step + 1) * per_step]
     return [{"kernel": name, "start_us": round(start - rows[0][1], 2), "us": round(duration, 2),
-             "share_us": round(share, 2), "idle_before_us": round(gap, 2)} for name, start, duration, share, gap in rows]
+             "share_us": round(share, 2), "idle_before_us": round(gap, 2)}
+            for name, start, duration, share, gap in rows]
 
 
 def trace_kernels(prof) -> list[tuple[str, float, float]]:
