@@ -92,8 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
         ``q_lat``: their latent query, if already computed (by the one-token RoPE + absorb kernel, which
         releases the decode kernel only after its own wait: the tables, uploaded with the step or
         computed before it, are complete by then, ``mla_decode``'s ``tables_ready``)."""
-        computed = q_lat is not None
+        tables_ready = q_lat is not None
         if q_lat is None:
             q_lat = absorb_query(q_nope, w_kc)  # [T, H, R]
         mla_decode(q_lat, q_pe, cache, pages, seq_lens, q_len, self.dims.softmax_scale, out,
-                   w_vc=w_vc.to(q_lat.dtype), tables_ready=computed)
+                   w_vc=w_vc.to(q_lat.dtype), tables_ready=tables_ready)

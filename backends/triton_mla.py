@@ -442,8 +442,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     else:
         part_o = torch.empty(tokens, heads, num_kv_splits, rank, dtype=torch.float32, device=out.device)
         part_lse = torch.empty(tokens, heads, num_kv_splits, dtype=torch.float32, device=out.device)
-    pdl = merge_values and pdl_supported(out.device)
-    dependent = tables_ready and pdl_supported(out.device)
+    sm90 = pdl_supported(out.device)
+    pdl, dependent = merge_values and sm90, tables_ready and sm90
     block_r = max(16, triton.next_power_of_2(rank))
     grid = (triton.cdiv(q_len * heads, config.block_m), batch, num_kv_splits)
     _decode_split_kernel[grid](

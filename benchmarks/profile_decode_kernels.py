@@ -49,12 +49,12 @@ def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, fl
     return rows
 
 
-def attribute(kernels: list[tuple[str, float, float]], steps: int) -> list[dict]:
+def attribute(path: list[tuple[str, float, float, float, float]], steps: int) -> list[dict]:
     """``critical_path``'s rows grouped by kernel name, plus the idle time as one row: launches a step,
     median duration and share of a launch, share a step; sorted by share a step."""
     by_name: dict[str, list[tuple[float, float]]] = defaultdict(list)
     idle = []
-    for name, _, duration, share, gap in critical_path(kernels):
+    for name, _, duration, share, gap in path:
         by_name[name].append((duration, share))
         idle.append(gap)
     rows = [{"kernel": name, "launches_per_step": round(len(runs) / steps, 2),
@@ -67,14 +67,13 @@ def attribute(kernels: list[tuple[str, float, float]], steps: int) -> list[dict]
     return sorted(rows, key=lambda r: r["share_us_per_step"], reverse=True)
 
 
-def step_timeline(kernels: list[tuple[str, float, float]], steps: int, step: int) -> list[dict]:
+def step_timeline(path: list[tuple[str, float, float, float, float]], steps: int, step: int) -> list[dict]:
     """``critical_path``'s rows of one step (each step launches the same number of kernels), its start
     made relative to the step's first kernel."""
-    rows = critical_path(kernels)
-    if len(rows) % steps:
-        raise ValueError(f"{len(rows)} kernels in {steps} steps: the steps differ in their kernels")
-    per_step = len(rows) // steps
-    rows = rows[step * per_step:(step + 1) * per_step]
+    if len(path) % steps:
+        raise ValueError(f"{len(path)} kernels in {steps} steps: the steps differ in their kernels")
+    per_step = len(path) // steps
+    rows = path[step * per_step:(step + 1) * per_step]
     return [{"kernel": name, "start_us": round(start - rows[0][1], 2), "us": round(duration, 2),
              "share_us": round(share, 2), "idle_before_us": round(gap, 2)}
             for name, start, duration, share, gap in rows]
@@ -124,7 +123,8 @@ def main() -> None:
     engine = v2_lite_engine([args.bs], args.context, args.steps + 8, args.attention_backend)
     profile_decode(engine, args.bs, args.context, args.steps)  # warm-up: the first replays upload their graphs
     kernels = profile_decode(engine, args.bs, args.context, args.steps)
-    rows = attribute(kernels, args.steps)
+    path = critical_path(kernels)
+    rows = attribute(path, args.steps)
     span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) / args.steps
     device = torch.cuda.get_device_name()
     print(f"{device}, V2-Lite shape, bs {args.bs} x {args.context}, {args.steps} decode steps: GPU span "
@@ -133,7 +133,7 @@ def main() -> None:
     for r in rows[:args.top]:
         print(f"| {r['kernel'][:90]} | {r['launches_per_step']} | {r['median_us']} | {r['median_share_us']} | "
               f"{r['share_us_per_step']} |")
-    timeline = step_timeline(kernels, args.steps, args.steps // 2)
+    timeline = step_timeline(path, args.steps, args.steps // 2)
     print(f"\nstep {args.steps // 2}, kernels {args.timeline_from}.. in launch order\n"
           "| # | kernel | start µs | µs | share µs | idle before µs |\n|---|---|---|---|---|---|")
     for i, r in enumerate(timeline[args.timeline_from:args.timeline_from + args.timeline], args.timeline_from):

@@ -29,7 +29,7 @@ def test_shares_and_idle_add_up_to_the_span():
 
 def test_attribute_groups_by_name_per_step():
     kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("gemv", 10.0, 3.0), ("split", 12.0, 5.0)]
-    rows = {r["kernel"]: r for r in attribute(kernels, steps=2)}
+    rows = {r["kernel"]: r for r in attribute(critical_path(kernels), steps=2)}
     assert rows["gemv"]["launches_per_step"] == 1 and rows["gemv"]["share_us_per_step"] == 3.0
     assert rows["split"]["median_us"] == 4.5 and rows["split"]["share_us_per_step"] == (3.5 + 4.0) / 2
     assert rows[IDLE]["share_us_per_step"] == (10.0 - 6.5) / 2 and rows[IDLE]["launches_per_step"] == 0.5
@@ -38,8 +38,8 @@ def test_attribute_groups_by_name_per_step():
 
 def test_step_timeline_is_one_steps_kernels_from_its_start():
     kernels = [("gemv", 0.0, 3.0), ("split", 2.5, 4.0), ("gemv", 10.0, 3.0), ("split", 14.0, 5.0)]
-    second = step_timeline(kernels, steps=2, step=1)
+    second = step_timeline(critical_path(kernels), steps=2, step=1)
     assert [(r["kernel"], r["start_us"], r["share_us"], r["idle_before_us"]) for r in second] == [
         ("gemv", 0.0, 3.0, 3.5), ("split", 4.0, 5.0, 1.0)]
     with pytest.raises(ValueError, match="3 kernels in 2 steps"):
-        step_timeline(kernels[:3], steps=2, step=0)
+        step_timeline(critical_path(kernels[:3]), steps=2, step=0)
