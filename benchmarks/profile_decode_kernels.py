@@ -26,6 +26,7 @@ import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,27 +37,38 @@ from encore.engine import SamplingParams
 IDLE = "(GPU idle between kernels)"
 
 
-def critical_path(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float, float, float]]:
-    """(name, start, duration) of every kernel, in any order -> (name, start, duration, share, idle
-    before) in start order: share = its end minus the later of its start and the latest end before it (at least
-    0), idle = the time between that latest end and its start (0 if it starts before it)."""
+class PathRow(NamedTuple):
+    """A kernel on the critical path (µs): ``share`` is what it adds after the latest end before it,
+    ``idle`` the gap between that end and its start."""
+
+    name: str
+    start: float
+    duration: float
+    share: float
+    idle: float
+
+
+def critical_path(kernels: list[tuple[str, float, float]]) -> list[PathRow]:
+    """(name, start, duration) of every kernel, in any order -> its ``PathRow`` in start order: share =
+    its end minus the later of its start and the latest end before it (at least 0), idle = the time
+    between that latest end and its start (0 if it starts before it)."""
     rows, latest = [], None
     for name, start, duration in sorted(kernels, key=lambda k: k[1]):
         end = start + duration
         begin = start if latest is None else max(start, latest)
-        rows.append((name, start, duration, max(0.0, end - begin), 0.0 if latest is None else max(0.0, start - latest)))
+        rows.append(PathRow(name, start, duration, max(0.0, end - begin),
+                            0.0 if latest is None else max(0.0, start - latest)))
         latest = end if latest is None else max(latest, end)
     return rows
 
 
-def attribute(path: list[tuple[str, float, float, float, float]], steps: int) -> list[dict]:
+def attribute(path: list[PathRow], steps: int) -> list[dict]:
     """``critical_path``'s rows grouped by kernel name, plus the idle time as one row: launches a step,
     median duration and share of a launch, share a step; sorted by share a step."""
     by_name: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    idle = []
-    for name, _, duration, share, gap in path:
-        by_name[name].append((duration, share))
-        idle.append(gap)
+    for row in path:
+        by_name[row.name].append((row.duration, row.share))
+    idle = [row.idle for row in path]
     rows = [{"kernel": name, "launches_per_step": round(len(runs) / steps, 2),
              "median_us": round(statistics.median(d for d, _ in runs), 2),
              "median_share_us": round(statistics.median(s for _, s in runs), 2),
@@ -67,16 +79,15 @@ def attribute(path: list[tuple[str, float, float, float, float]], steps: int) ->
     return sorted(rows, key=lambda r: r["share_us_per_step"], reverse=True)
 
 
-def step_timeline(path: list[tuple[str, float, float, float, float]], steps: int, step: int) -> list[dict]:
+def step_timeline(path: list[PathRow], steps: int, step: int) -> list[dict]:
     """``critical_path``'s rows of one step (each step launches the same number of kernels), its start
     made relative to the step's first kernel."""
     if len(path) % steps:
         raise ValueError(f"{len(path)} kernels in {steps} steps: the steps differ in their kernels")
     per_step = len(path) // steps
     rows = path[step * per_step:(step + 1) * per_step]
-    return [{"kernel": name, "start_us": round(start - rows[0][1], 2), "us": round(duration, 2),
-             "share_us": round(share, 2), "idle_before_us": round(gap, 2)}
-            for name, start, duration, share, gap in rows]
+    return [{"kernel": r.name, "start_us": round(r.start - rows[0].start, 2), "us": round(r.duration, 2),
+             "share_us": round(r.share, 2), "idle_before_us": round(r.idle, 2)} for r in rows]
 
 
 def trace_kernels(prof) -> list[tuple[str, float, float]]:

@@ -3,8 +3,8 @@ attention (16 heads, rank 512 + 64, bf16, page size 64), rows of 1, 2 and 4 toke
 setting ``decode_configs`` lists, and prints a JSON object: for each "q_len,block_m,block_n,warps,stages" the
 registers a thread, the count of tensor-core MMAs (HMMA, or HGMMA for warpgroup MMAs), the longest
 chain of HMMAs each accumulating onto the one before, and the global loads before the wait of a kernel
-launched as a programmatic dependent (one token's, as bs 1 launches it on sm90+). Run in a child process by test_triton_mla.py: the
-CPU tests' interpreter mode cannot compile."""
+launched as a programmatic dependent (one token's, as bs 1 launches it on sm90+). Run in a child process
+by test_triton_mla.py: the CPU tests' interpreter mode cannot compile."""
 
 from __future__ import annotations
 
