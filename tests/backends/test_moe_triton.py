@@ -303,6 +303,29 @@ def test_select_experts_edge_rows():
 
 
 @in_process
+@pytest.mark.parametrize("name", ["v2-lite", "sigmoid-plain"])
+def test_select_experts_ties_go_to_the_lowest_index(name):
+    """Ids best first and, among equal choice scores, the lowest index first (the order the module
+    docstring promises, which the reference leaves open); negative choices (a negative bias) rank as
+    the floats do. Rows: all equal; falling with the index (below zero with the bias); random with the
+    best score at two experts."""
+    k, scoring, method, groups, top_groups, norm, scale, experts, has_bias = ROUTINGS[name]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.stack([torch.zeros(experts), -0.1 * torch.arange(experts, dtype=torch.float32),
+                          torch.randn(experts, generator=gen)])
+    logits[2, [5, 17]] = logits[2].max() + 1
+    bias = torch.full((experts,), -2.0) if has_bias else None
+    weights, ids = select_experts_triton(logits.to(DEVICE), None if bias is None else bias.to(DEVICE), k, scoring,
+                                         method, groups, top_groups, norm, scale)
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores + bias if has_bias else scores
+    want = torch.tensor([sorted(range(experts), key=lambda e: (-row[e].item(), e))[:k] for row in choice])
+    assert torch.equal(ids.cpu(), want)
+    assert want[2, :2].tolist() == [5, 17]
+    torch.testing.assert_close(weights.cpu(), scores.gather(1, want) * scale, rtol=1e-6, atol=0)
+
+
+@in_process
 @pytest.mark.parametrize("name", ["v2-lite", "v3"])
 def test_select_experts_appends_fused_shared_experts(name):
     """num_shared = S: the routed top-k as without it, then experts E..E + S - 1 with weight 1 (not
