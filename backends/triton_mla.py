@@ -64,6 +64,11 @@ _MERGE_VALUES_WARPS = 4
 
 
 SMALL_DECODE = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
+# The small tile on eight warps, for one row of at most 16 pairs whose splits hold one key tile each
+# (16-bit): on four warps (one a scheduler) each warp ran ~1,570 instructions at ~5.6 cycles apiece, the
+# split kernel's whole time (Nsight Compute, V2-Lite bs 1 × 1k, H200); on eight each runs ~1,100 and a
+# scheduler has two to pick from. With five tiles a split (bs 1 × 8k) eight warps were slower.
+ONE_ROW_DECODE = dataclasses.replace(SMALL_DECODE, num_warps=8)
 _FLOAT32_WIDE = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
 # Software pipelining: Triton double-buffers the KV loop from num_stages 5 on (the page-table load
 # ahead of the KV load takes the stages below that: at 3 the next tile's copy is issued after this
@@ -95,7 +100,8 @@ def decode_configs(num_heads: int, q_len: int, dtype: torch.dtype) -> list[Kerne
     """Every launch setting ``decode_launch`` can pick for rows of ``q_len`` tokens (the warm-up
     compiles each, ``warm_up_decode``)."""
     tiles = _tiles(q_len * num_heads, dtype)
-    return tiles + [p for p in (_pipelined(t, dtype) for t in tiles) if p is not None]
+    one_row = [ONE_ROW_DECODE] if q_len * num_heads <= SMALL_DECODE.block_m and dtype != torch.float32 else []
+    return tiles + [p for p in (_pipelined(t, dtype) for t in tiles) if p is not None] + one_row
 
 
 def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
@@ -111,6 +117,9 @@ def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_
       64 pairs the dots are Hopper warpgroup MMAs (bs 64 × q_len 4 × 8k: 577 -> 331 µs against 32 pairs).
     - num_stages PIPELINED_STAGES where a split has PIPELINE_MIN_KEYS keys or more and the buffers fit
       the shared memory (``_pipelined``).
+    - one row of at most 16 pairs whose splits hold one tile each: the small tile on eight warps
+      (``ONE_ROW_DECODE``; the engine's bs-1 step, V2-Lite × 1k: −21 µs, × 8k, five tiles a split:
+      +16 µs, so not there; benchmarks/README.md "Session 52").
 
     float32 (exact ``ieee`` dots on CUDA cores; tests and the tiny model): 16 × 32 on four warps for
     up to 16 pairs, else 32 × 64 on eight, unpipelined; not tuned."""
@@ -123,6 +132,9 @@ def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_
     pipelined = _pipelined(config, dtype)
     if pipelined is not None and triton.cdiv(max_seq_len, splits) >= PIPELINE_MIN_KEYS:
         config = pipelined
+    elif (batch == 1 and pairs <= SMALL_DECODE.block_m and dtype != torch.float32
+          and triton.cdiv(max_seq_len, splits) <= SMALL_DECODE.block_n):
+        config = ONE_ROW_DECODE  # splits as chosen for four warps: one row's stay under MAX_KV_SPLITS either way
     return splits, config
 
 
