@@ -96,12 +96,18 @@ def _pipelined(config: KernelConfig, dtype: torch.dtype) -> KernelConfig | None:
     return dataclasses.replace(config, num_stages=PIPELINED_STAGES)
 
 
+def _one_row(pairs: int, dtype: torch.dtype) -> KernelConfig | None:
+    """``ONE_ROW_DECODE`` where a row of ``pairs`` (position, head) pairs may take it (16-bit, one head
+    block of the small tile), else None; ``decode_launch`` gives it to one row whose splits hold one tile."""
+    return ONE_ROW_DECODE if pairs <= SMALL_DECODE.block_m and dtype != torch.float32 else None
+
+
 def decode_configs(num_heads: int, q_len: int, dtype: torch.dtype) -> list[KernelConfig]:
     """Every launch setting ``decode_launch`` can pick for rows of ``q_len`` tokens (the warm-up
     compiles each, ``warm_up_decode``)."""
     tiles = _tiles(q_len * num_heads, dtype)
-    one_row = [ONE_ROW_DECODE] if q_len * num_heads <= SMALL_DECODE.block_m and dtype != torch.float32 else []
-    return tiles + [p for p in (_pipelined(t, dtype) for t in tiles) if p is not None] + one_row
+    variants = [_pipelined(t, dtype) for t in tiles] + [_one_row(q_len * num_heads, dtype)]
+    return tiles + [v for v in variants if v is not None]
 
 
 def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int,
@@ -132,9 +138,8 @@ def decode_launch(batch: int, num_heads: int, q_len: int, max_seq_len: int, num_
     pipelined = _pipelined(config, dtype)
     if pipelined is not None and triton.cdiv(max_seq_len, splits) >= PIPELINE_MIN_KEYS:
         config = pipelined
-    elif (batch == 1 and pairs <= SMALL_DECODE.block_m and dtype != torch.float32
-          and triton.cdiv(max_seq_len, splits) <= SMALL_DECODE.block_n):
-        config = ONE_ROW_DECODE  # splits as chosen for four warps: one row's stay under MAX_KV_SPLITS either way
+    elif batch == 1 and _one_row(pairs, dtype) is not None and triton.cdiv(max_seq_len, splits) <= config.block_n:
+        config = ONE_ROW_DECODE  # with the splits chosen for the four-warp tile
     return splits, config
 
 
