@@ -75,7 +75,11 @@ def _select_kernel(LOGITS, BIAS, WEIGHTS, IDS, scaling,
         # A NaN score matches nothing: the index is clamped, so a NaN row still reads a real expert.
         idx = tl.minimum(tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1), E - 1)
         hit = cols[None, :] == idx[:, None]
-        weights = tl.where(kcols[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], weights)
+        if HAS_BIAS or N_GROUP > 1:
+            picked = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        else:  # the choice is the score: the pick's weight is its best, with no reduction of its own
+            picked = best
+        weights = tl.where(kcols[None, :] == j, picked[:, None], weights)
         ids = tl.where(kcols[None, :] == j, idx[:, None].to(tl.int64), ids)
         choice = tl.where(hit, float("-inf"), choice)
     if SIGMOID:
