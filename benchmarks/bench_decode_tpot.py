@@ -14,7 +14,11 @@ Floor = bytes the step must read (weights touched under uniform routing + every 
 device-to-device copy bandwidth measured in the same run. transformers: ``generate`` (greedy, its default
 dynamic cache): TPOT = (time for 1 + N new tokens − time for 1) / N, where it fits in memory.
 
-    python benchmarks/bench_decode_tpot.py [--contexts 1024,8192] [--batch-sizes 1,8,64] [--json out.json]
+``--profile-steps N`` also runs N steps of each shape under the torch profiler and prints, a row, each
+kernel's share of the critical path at q_len 1 and 4 (``profile_decode_kernels``), largest increase first.
+
+    python benchmarks/bench_decode_tpot.py [--contexts 1024,8192] [--batch-sizes 1,8,64] [--profile-steps 10]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import time
 
 import torch
 from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_ms
+from profile_decode_kernels import attribute, critical_path, differences, trace_kernels
+from torch.profiler import ProfilerActivity, profile
 
 from encore.backends.metadata import ForwardBatch
 from encore.engine.config import EngineConfig
@@ -37,6 +43,7 @@ from encore.models.deepseek import DeepseekForCausalLM
 
 PAGE_SIZE = 64
 VERIFY_Q_LEN = 4
+PROFILE_TOP = 25  # kernels printed a row with --profile-steps
 # deepseek-ai/DeepSeek-V2-Lite config.json (the fields that shape compute).
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -136,15 +143,15 @@ def greedy_check(runner: ModelRunner, hf: torch.nn.Module) -> dict:
 
 
 @torch.inference_mode()
-def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int], bandwidth: float, iters: int
-                ) -> list[dict]:
+def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int], bandwidth: float, iters: int,
+                profile_steps: int = 0) -> list[dict]:
     rows = []
     max_pages = runner.graphs.buffers.max_pages
     for context in contexts:
         for bs in batch_sizes:
             need = bytes_read(runner.model, runner.model.cfg, bs, context)
             floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
-            step_ms = {}
+            step_ms, kernels = {}, {}
             for q_len in (1, VERIFY_Q_LEN):
                 batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages)
 
@@ -155,11 +162,30 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                 before = runner.graph_stats()["graph_replays"]
                 step_ms[q_len] = time_ms(step, iters)
                 assert runner.graph_stats()["graph_replays"] > before, "the step did not replay a CUDA graph"
-            rows.append({"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context,
-                         "tpot_ms": step_ms[1], "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms,
-                         "throughput_vs_floor": floor_ms / step_ms[1], "verify_q4_ms": step_ms[VERIFY_Q_LEN],
-                         "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1]})
+                if profile_steps:
+                    kernels[q_len] = profiled(step, profile_steps)
+            row = {"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context, "tpot_ms": step_ms[1],
+                   "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
+                   "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1]}
+            if profile_steps:
+                row["verify_kernels"] = differences(kernels[1], kernels[VERIFY_Q_LEN])
+                print(f"{row['engine']} bs {bs} x {context}, the verify step's kernels against the decode step's "
+                      "(share of the critical path, µs a step):\n| kernel | q1 | q4 | delta |\n|---|---|---|---|")
+                for r in row["verify_kernels"][:PROFILE_TOP]:
+                    print(f"| {r['kernel'][:90]} | {r['share_us_before']} | {r['share_us_after']} | {r['delta_us']} |")
+            rows.append(row)
     return rows
+
+
+def profiled(step, steps: int) -> list[dict]:
+    """``profile_decode_kernels.attribute``'s table of ``steps`` calls of ``step`` (kernels by name alone:
+    the shapes a table is compared across launch other grids)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return attribute(critical_path(trace_kernels(prof, grids=False)), steps)
 
 
 @torch.inference_mode()
@@ -200,6 +226,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--hf-new-tokens", type=int, default=8, help="0 skips transformers")
     ap.add_argument("--hf-max-tokens", type=int, default=64 * 1024, help="skip transformers above bs·context")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many steps of each shape and compare the verify step's kernels")
     ap.add_argument("--json")
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -215,7 +243,7 @@ def main() -> None:
         runner = make_runner(cfg, backend, batch_sizes, max(contexts), weights)
         prepare_s[backend] = time.perf_counter() - start
         checks[backend] = greedy_check(runner, hf)
-        rows += encore_rows(runner, batch_sizes, contexts, bandwidth, args.iters)
+        rows += encore_rows(runner, batch_sizes, contexts, bandwidth, args.iters, args.profile_steps)
         print(f"{backend}: prepared in {prepare_s[backend]:.1f}s, {checks[backend]}, rows {rows[-6:]}", flush=True)
         del runner
         gc.collect()

@@ -90,13 +90,28 @@ def step_timeline(path: list[PathRow], steps: int, step: int) -> list[dict]:
              "share_us": round(r.share, 2), "idle_before_us": round(r.idle, 2)} for r in rows]
 
 
-def trace_kernels(prof) -> list[tuple[str, float, float]]:
-    """(name and grid, start µs, duration µs) of the GPU kernels in a finished profile (its Chrome trace)."""
+def differences(before: list[dict], after: list[dict]) -> list[dict]:
+    """Two ``attribute`` tables (of the same steps at two shapes) joined by kernel: launches and share a
+    step in each and the share's change, largest increase first; a kernel missing from one has 0 there."""
+    rows = {}
+    for side, table in (("before", before), ("after", after)):
+        for r in table:
+            row = rows.setdefault(r["kernel"], {"kernel": r["kernel"], "launches_before": 0.0, "launches_after": 0.0,
+                                                "share_us_before": 0.0, "share_us_after": 0.0})
+            row[f"launches_{side}"], row[f"share_us_{side}"] = r["launches_per_step"], r["share_us_per_step"]
+    for row in rows.values():
+        row["delta_us"] = round(row["share_us_after"] - row["share_us_before"], 2)
+    return sorted(rows.values(), key=lambda r: r["delta_us"], reverse=True)
+
+
+def trace_kernels(prof, grids: bool = True) -> list[tuple[str, float, float]]:
+    """(name, with its grid unless ``grids`` is False; start µs, duration µs) of the GPU kernels in a
+    finished profile (its Chrome trace)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    return [(f"{e['name']} {tuple(e['args']['grid'])}" if "grid" in e.get("args", {}) else e["name"],
+    return [(f"{e['name']} {tuple(e['args']['grid'])}" if grids and "grid" in e.get("args", {}) else e["name"],
              float(e["ts"]), float(e["dur"])) for e in kernels]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from profile_decode_kernels import IDLE, attribute, critical_path, step_timeline  # noqa: E402
+from profile_decode_kernels import IDLE, attribute, critical_path, differences, step_timeline  # noqa: E402
 
 
 def test_a_kernel_under_another_is_charged_only_past_its_end():
@@ -43,3 +43,13 @@ def test_step_timeline_is_one_steps_kernels_from_its_start():
         ("gemv", 0.0, 3.0, 3.5), ("split", 4.0, 5.0, 1.0)]
     with pytest.raises(ValueError, match="3 kernels in 2 steps"):
         step_timeline(critical_path(kernels[:3]), steps=2, step=0)
+
+
+def test_differences_join_two_tables_by_kernel_largest_increase_first():
+    decode = attribute(critical_path([("gemv", 0.0, 3.0), ("moe", 3.0, 10.0), ("cast", 13.0, 1.0)]), steps=1)
+    verify = attribute(critical_path([("gemv", 0.0, 4.0), ("moe", 4.0, 16.0), ("gemm", 20.0, 2.0)]), steps=1)
+    rows = {r["kernel"]: r for r in differences(decode, verify)}
+    assert [r["kernel"] for r in differences(decode, verify)][:2] == ["moe", "gemm"]
+    assert (rows["moe"]["share_us_before"], rows["moe"]["share_us_after"], rows["moe"]["delta_us"]) == (10.0, 16.0, 6.0)
+    assert rows["cast"]["share_us_after"] == 0.0 and rows["cast"]["delta_us"] == -1.0  # only in the decode step
+    assert rows["gemm"]["launches_before"] == 0.0 and rows["gemm"]["launches_after"] == 1
