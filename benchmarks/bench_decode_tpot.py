@@ -8,8 +8,10 @@ copies when it fuses the shared experts into them on CUDA (same values). A greed
 (argmax and logits error of encore vs transformers) guards the name mapping.
 
 encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs 1/8/64 at q_len 1 and
-q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick, timed
-with CUDA events around the whole step (host planning included), each row at ``context`` cached tokens.
+q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick (the
+model's ``greedy_tokens``, the argmax of the head's own output, as the engine's greedy heads take it; runs
+before session 53's end cast the logits to float32 first), timed with CUDA events around the whole step
+(host planning included), each row at ``context`` cached tokens.
 Floor = bytes the step must read (weights touched under uniform routing + every row's latent KV) /
 device-to-device copy bandwidth measured in the same run. transformers: ``generate`` (greedy, its default
 dynamic cache): TPOT = (time for 1 + N new tokens − time for 1) / N, where it fits in memory.
@@ -157,7 +159,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
 
                 def step(batch=batch):
                     hidden = runner.forward(batch, batch.gather_ids)
-                    return runner.model.compute_logits(hidden).argmax(dim=-1)
+                    return runner.model.greedy_tokens(hidden)
 
                 before = runner.graph_stats()["graph_replays"]
                 step_ms[q_len] = time_ms(step, iters)
