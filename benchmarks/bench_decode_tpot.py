@@ -9,9 +9,9 @@ copies when it fuses the shared experts into them on CUDA (same values). A greed
 
 encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs 1/8/64 at q_len 1 and
 q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick (the
-model's ``greedy_tokens``, the argmax of the head's own output, as the engine's greedy heads take it; runs
-before session 53's end cast the logits to float32 first), timed with CUDA events around the whole step
-(host planning included), each row at ``context`` cached tokens.
+model's ``greedy_tokens``, the argmax of the head's own output, as the engine's greedy heads take it),
+timed with CUDA events around the whole step (host planning included), each row at ``context`` cached
+tokens.
 Floor = bytes the step must read (weights touched under uniform routing + every row's latent KV) /
 device-to-device copy bandwidth measured in the same run. transformers: ``generate`` (greedy, its default
 dynamic cache): TPOT = (time for 1 + N new tokens − time for 1) / N, where it fits in memory.
@@ -33,8 +33,7 @@ import time
 
 import torch
 from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_ms
-from profile_decode_kernels import attribute, critical_path, differences, trace_kernels
-from torch.profiler import ProfilerActivity, profile
+from profile_decode_kernels import attribute, critical_path, differences, profiled_kernels
 
 from encore.backends.metadata import ForwardBatch
 from encore.engine.config import EngineConfig
@@ -165,7 +164,9 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                 step_ms[q_len] = time_ms(step, iters)
                 assert runner.graph_stats()["graph_replays"] > before, "the step did not replay a CUDA graph"
                 if profile_steps:
-                    kernels[q_len] = profiled(step, profile_steps)
+                    # kernels by name alone: the two shapes launch other grids
+                    kernels[q_len] = attribute(critical_path(profiled_kernels(step, profile_steps, grids=False)),
+                                               profile_steps)
             row = {"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context, "tpot_ms": step_ms[1],
                    "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
                    "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1]}
@@ -177,17 +178,6 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                     print(f"| {r['kernel'][:90]} | {r['share_us_before']} | {r['share_us_after']} | {r['delta_us']} |")
             rows.append(row)
     return rows
-
-
-def profiled(step, steps: int) -> list[dict]:
-    """``profile_decode_kernels.attribute``'s table of ``steps`` calls of ``step`` (kernels by name alone:
-    the shapes a table is compared across launch other grids)."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return attribute(critical_path(trace_kernels(prof, grids=False)), steps)
 
 
 @torch.inference_mode()

@@ -125,14 +125,20 @@ def profile_decode(engine, bs: int, context: int, steps: int) -> list[tuple[str,
     started: set[str] = set()
     while len(started) < bs:
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    kernels = profiled_kernels(engine.step, steps)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return kernels
+
+
+def profiled_kernels(step, steps: int, grids: bool = True) -> list[tuple[str, float, float]]:
+    """``trace_kernels`` of ``steps`` calls of ``step`` under the torch profiler."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return trace_kernels(prof)
+    return trace_kernels(prof, grids)
 
 
 def main() -> None:
