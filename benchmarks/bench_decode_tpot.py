@@ -33,7 +33,7 @@ import time
 
 import torch
 from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_ms
-from profile_decode_kernels import attribute, critical_path, differences, profiled_kernels
+from profile_decode_kernels import attribute, critical_path, differences, kernel_family, profiled_kernels
 
 from encore.backends.metadata import ForwardBatch
 from encore.engine.config import EngineConfig
@@ -171,7 +171,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                    "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
                    "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1]}
             if profile_steps:
-                row["verify_kernels"] = differences(kernels[1], kernels[VERIFY_Q_LEN])
+                row["verify_kernels"] = differences(kernels[1], kernels[VERIFY_Q_LEN], key=kernel_family)
                 print(f"{row['engine']} bs {bs} x {context}, the verify step's kernels against the decode step's "
                       "(share of the critical path, µs a step):\n| kernel | q1 | q4 | delta |\n|---|---|---|---|")
                 for r in row["verify_kernels"][:PROFILE_TOP]:
@@ -235,8 +235,10 @@ def main() -> None:
         runner = make_runner(cfg, backend, batch_sizes, max(contexts), weights)
         prepare_s[backend] = time.perf_counter() - start
         checks[backend] = greedy_check(runner, hf)
-        rows += encore_rows(runner, batch_sizes, contexts, bandwidth, args.iters, args.profile_steps)
-        print(f"{backend}: prepared in {prepare_s[backend]:.1f}s, {checks[backend]}, rows {rows[-6:]}", flush=True)
+        backend_rows = encore_rows(runner, batch_sizes, contexts, bandwidth, args.iters, args.profile_steps)
+        rows += backend_rows
+        brief = [{k: v for k, v in r.items() if k != "verify_kernels"} for r in backend_rows]
+        print(f"{backend}: prepared in {prepare_s[backend]:.1f}s, {checks[backend]}, rows {brief}", flush=True)
         del runner
         gc.collect()
         torch.cuda.empty_cache()

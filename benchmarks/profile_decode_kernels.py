@@ -90,16 +90,30 @@ def step_timeline(path: list[PathRow], steps: int, step: int) -> list[dict]:
              "share_us": round(r.share, 2), "idle_before_us": round(r.idle, 2)} for r in rows]
 
 
-def differences(before: list[dict], after: list[dict]) -> list[dict]:
-    """Two ``attribute`` tables (of the same steps at two shapes) joined by kernel: launches and share a
-    step in each and the share's change, largest increase first; a kernel missing from one has 0 there."""
+def kernel_family(name: str) -> str:
+    """A kernel's name with what changes with the shape left out: cuBLAS's GEMMs (``nvjet_*``, whose names
+    give the tile cuBLAS chose for the shape) as one, a C++ template kernel by its name before its
+    template arguments (flashinfer's MLA kernel has other ones at q_len 1 and 4); others as they are."""
+    if name.startswith("nvjet_"):
+        return "cuBLAS GEMMs (nvjet_*)"
+    return name.split("<", 1)[0] if "<" in name else name
+
+
+def differences(before: list[dict], after: list[dict], key=lambda name: name) -> list[dict]:
+    """Two ``attribute`` tables (of the same steps at two shapes) joined by ``key`` of the kernel's name
+    (e.g. ``kernel_family``; the kernels of one key summed): launches and share a step in each and the
+    share's change, largest increase first; a key missing from one has 0 there."""
     rows = {}
     for side, table in (("before", before), ("after", after)):
         for r in table:
-            row = rows.setdefault(r["kernel"], {"kernel": r["kernel"], "launches_before": 0.0, "launches_after": 0.0,
-                                                "share_us_before": 0.0, "share_us_after": 0.0})
-            row[f"launches_{side}"], row[f"share_us_{side}"] = r["launches_per_step"], r["share_us_per_step"]
+            kernel = key(r["kernel"])
+            row = rows.setdefault(kernel, {"kernel": kernel, "launches_before": 0.0, "launches_after": 0.0,
+                                           "share_us_before": 0.0, "share_us_after": 0.0})
+            row[f"launches_{side}"] += r["launches_per_step"]
+            row[f"share_us_{side}"] += r["share_us_per_step"]
     for row in rows.values():
+        for field in ("launches_before", "launches_after", "share_us_before", "share_us_after"):
+            row[field] = round(row[field], 2)
         row["delta_us"] = round(row["share_us_after"] - row["share_us_before"], 2)
     return sorted(rows.values(), key=lambda r: r["delta_us"], reverse=True)
 

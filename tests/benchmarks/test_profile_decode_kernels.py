@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from profile_decode_kernels import IDLE, attribute, critical_path, differences, step_timeline  # noqa: E402
+from profile_decode_kernels import IDLE, attribute, critical_path, differences, kernel_family, step_timeline  # noqa: E402
 
 
 def test_a_kernel_under_another_is_charged_only_past_its_end():
@@ -53,3 +53,16 @@ def test_differences_join_two_tables_by_kernel_largest_increase_first():
     assert (rows["moe"]["share_us_before"], rows["moe"]["share_us_after"], rows["moe"]["delta_us"]) == (10.0, 16.0, 6.0)
     assert rows["cast"]["share_us_after"] == 0.0 and rows["cast"]["delta_us"] == -1.0  # only in the decode step
     assert rows["gemm"]["launches_before"] == 0.0 and rows["gemm"]["launches_after"] == 1
+
+
+def test_differences_by_family_sum_the_kernels_a_shape_renames():
+    decode = attribute(critical_path([("nvjet_sm90_tst_24x64_TNN", 0.0, 3.0), ("void mla<false, 64u>(P)", 3.0, 10.0),
+                                      ("_down_kernel", 13.0, 2.0)]), steps=1)
+    verify = attribute(critical_path([("nvjet_sm90_tst_64x64_TNT", 0.0, 4.0), ("nvjet_sm90_tst_112x64_TNN", 4.0, 1.0),
+                                      ("void mla<true, 64u>(P)", 5.0, 12.0), ("_down_kernel", 17.0, 3.0)]), steps=1)
+    rows = {r["kernel"]: r for r in differences(decode, verify, key=kernel_family)}
+    assert set(rows) == {"cuBLAS GEMMs (nvjet_*)", "void mla", "_down_kernel", IDLE}
+    gemms = rows["cuBLAS GEMMs (nvjet_*)"]
+    assert (gemms["launches_before"], gemms["launches_after"], gemms["delta_us"]) == (1.0, 2.0, 2.0)
+    assert (rows["void mla"]["share_us_before"], rows["void mla"]["share_us_after"]) == (10.0, 12.0)
+    assert rows["_down_kernel"]["delta_us"] == 1.0
