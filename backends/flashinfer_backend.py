@@ -22,11 +22,11 @@ Prefill rows take one of two paths:
 Small decode steps: where "auto" picks this backend (``AutoFlashInferAttentionBackend``), decode rows of
 at most ``SMALL_DECODE_TOKENS`` tokens in all (rows × q_len) run on encore's Triton decode kernel,
 which is faster there and needs no host plan. V2-Lite attention (absorb + MLA + project, static plans in
-a CUDA graph, KV cold; benchmarks/bench_decode_backends.py, H100), Triton / flashinfer µs a layer:
-1 row × q1 × 1k keys 13.1 / 18.7, 4 × q1 × 1k 19.0 / 21.4, 1 × q4 × 1k 18.6 / 25.8, 1 × q1 × 32k
-46.0 / 54.1; at 8 tokens either may lead (2 × q4 × 1k, 32k table: 27.1 / 22.7), from 16 on flashinfer
-mostly does (64 × q1 × 8k: 232.9 / 222.8). The choice depends on the step's shape only, so a graph key
-keeps it. These steps are counted (``triton_decode_steps``). An explicit
+a CUDA graph, KV cold; benchmarks/bench_decode_backends.py, H100, session 55), Triton / flashinfer µs a
+layer: 1 row × q1 × 1k keys 11.0 / 18.8, 4 × q1 × 1k 17.7 / 18.5, 1 × q4 × 1k 16.6 / 22.7, 1 × q1 × 32k
+35.3 / 55.1; from 8 tokens on flashinfer mostly leads (8 × q1 × 1k 21.7 / 20.7; 2 × q4 × 1k, 32k table:
+25.7 / 20.1; 64 × q1 × 8k: 225.9 / 218.4; 64 × q4 × 1k 80.4 / 55.7). The choice depends on the step's
+shape only, so a graph key keeps it. These steps are counted (``triton_decode_steps``). An explicit
 ``attention_backend="flashinfer"`` runs every decode row on flashinfer.
 
 Planning needs the rows' lengths on the host (``seq_lens_cpu``); flashinfer partitions the work by

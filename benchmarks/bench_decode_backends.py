@@ -73,20 +73,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
+    print(f"{device}, V2-Lite attention, bf16, pages of {PAGE}; µs per layer (absorb + MLA + project)")
+    print("| table | q_len | bs | context | tokens | Triton µs | flashinfer µs | Triton / flashinfer |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for width, contexts in GRID:
         for q_len in args.q_len:
             for bs in args.bs:
                 for context in contexts:
                     if bs * context <= MAX_KEYS:
-                        rows.append(measure(bs, q_len, context, width))
+                        r = measure(bs, q_len, context, width)
+                        rows.append(r)
                         torch.cuda.empty_cache()
-    print(f"{device}, V2-Lite attention, bf16, pages of {PAGE}; µs per layer (absorb + MLA + project)")
-    print("| table | q_len | bs | context | tokens | Triton µs | flashinfer µs | Triton / flashinfer |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['width']} | {r['q_len']} | {r['bs']} | {r['context']} | {r['bs'] * r['q_len']} | "
-              f"{r['triton_us']} | {r['flashinfer_us']} | {r['triton_us'] / r['flashinfer_us']:.2f} |")
+                        print(f"| {r['width']} | {r['q_len']} | {r['bs']} | {r['context']} | {r['bs'] * r['q_len']} | "
+                              f"{r['triton_us']} | {r['flashinfer_us']} | {r['triton_us'] / r['flashinfer_us']:.2f} |",
+                              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "rows": rows}, f, indent=1)
