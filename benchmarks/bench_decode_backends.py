@@ -76,18 +76,15 @@ def main() -> None:
     print(f"{device}, V2-Lite attention, bf16, pages of {PAGE}; µs per layer (absorb + MLA + project)")
     print("| table | q_len | bs | context | tokens | Triton µs | flashinfer µs | Triton / flashinfer |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
+    cases = [(width, q_len, bs, context) for width, contexts in GRID for q_len in args.q_len for bs in args.bs
+             for context in contexts if bs * context <= MAX_KEYS]
     rows = []
-    for width, contexts in GRID:
-        for q_len in args.q_len:
-            for bs in args.bs:
-                for context in contexts:
-                    if bs * context <= MAX_KEYS:
-                        r = measure(bs, q_len, context, width)
-                        rows.append(r)
-                        torch.cuda.empty_cache()
-                        print(f"| {r['width']} | {r['q_len']} | {r['bs']} | {r['context']} | {r['bs'] * r['q_len']} | "
-                              f"{r['triton_us']} | {r['flashinfer_us']} | {r['triton_us'] / r['flashinfer_us']:.2f} |",
-                              flush=True)
+    for width, q_len, bs, context in cases:  # each row printed as it is measured
+        r = measure(bs, q_len, context, width)
+        torch.cuda.empty_cache()
+        rows.append(r)
+        print(f"| {width} | {q_len} | {bs} | {context} | {bs * q_len} | {r['triton_us']} | {r['flashinfer_us']} | "
+              f"{r['triton_us'] / r['flashinfer_us']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "rows": rows}, f, indent=1)
