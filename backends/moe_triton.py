@@ -7,8 +7,8 @@ BLOCK_M and each block runs through two GEMM kernels that read only its expert's
 
     align   (E programs)                pair p = t·k + j  ->  sorted_pairs[slot], block_expert[block]
     gate_up (max_blocks, cdiv(I, BN))   inter[slot]  = SiLU(x[t]·w13[e, :I]ᵀ) · (x[t]·w13[e, I:]ᵀ)
-    down    (max_blocks, cdiv(H, BN))   per_pair[p]  = weights[p] · inter[slot]·w2[e]ᵀ
-    sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j per_pair[t·k + j], j = 0..k-1 in order
+    down    (max_blocks, cdiv(H, BN))   per_pair[p]  = inter[slot]·w2[e]ᵀ
+    sum     (T, cdiv(H, BLOCK_H))       out[t]       = Σ_j weights[t·k + j] · per_pair[t·k + j], j = 0..k-1 in order
 
 One token (decode at batch size 1) skips the alignment: a token's experts are distinct, so there is
 nothing to group: gate_up's programs of pair j read expert ids[j] themselves (its fused shared-expert
@@ -37,8 +37,11 @@ has read its pairs.
 Determinism: every output element is written by exactly one program and the per-token sum over
 the k pairs runs in a fixed order, with no atomics, so the result does not depend on scheduling.
 Dots and one token's gate_up row sums accumulate in float32 (float32 inputs in IEEE precision, so they
-can match a float32 reference); the intermediate is stored in the input dtype, as the reference
-computes it.
+can match a float32 reference); the intermediate and each pair's output are stored in the input dtype,
+as the reference computes them, and the sum weights the pairs in float32, as the reference does. At a
+16-bit verify step of 256 tokens a V2-Lite layer's per-pair outputs are 8.4 MB that down writes and the
+sum reads back (16.8 MB each when they were float32: the layer 5.5 µs slower on an H100;
+benchmarks/README.md, "Session 56").
 """
 
 from __future__ import annotations
@@ -275,7 +278,7 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, INTER, num_pairs, stride_xt,
 
 @kernel_variants.watched
 @triton.jit(do_not_specialize=["num_pairs"])
-def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
+def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, PER_PAIR, num_pairs,
                  H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent: nothing is read or written before gate_up finished
@@ -299,22 +302,22 @@ def _down_kernel(INTER, W2, SORTED, BLOCK_EXPERT, WEIGHTS, PER_PAIR, num_pairs,
         acc = tl.dot(a, tl.trans(w_down), acc, input_precision=PRECISION)
     if PDL:  # the pair sum (a programmatic dependent) launches as the last programs' weight reads end
         tl.extra.cuda.gdc_launch_dependents()
-    route = tl.load(WEIGHTS + pair, mask=row_ok, other=0.0)  # [M] routing weight of each pair
-    tl.store(PER_PAIR + pair[:, None].to(tl.int64) * H + n[None, :], acc * route[:, None],
+    tl.store(PER_PAIR + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(PER_PAIR.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
 @kernel_variants.watched
 @triton.jit
-def _sum_pairs_kernel(PER_PAIR, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                      PDL: tl.constexpr):
+def _sum_pairs_kernel(PER_PAIR, WEIGHTS, OUT, stride_ot, TOP_K: tl.constexpr, H: tl.constexpr,
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent: nothing is read or written before down finished
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):  # a fixed order: the same sum on every run
-        acc += tl.load(PER_PAIR + (token * TOP_K + j) * H + h, mask=h < H, other=0.0)
+        route = tl.load(WEIGHTS + token * TOP_K + j)  # the pair's routing weight, float32
+        acc += route * tl.load(PER_PAIR + (token * TOP_K + j) * H + h, mask=h < H, other=0.0).to(tl.float32)
     if PDL:  # the kernel after launches once per_pair is read: fused_moe frees it on return, and the next
         # kernel (Inductor's) may write its memory without waiting, where it neither reads nor writes
         # what this op touched (compiler.inductor_patches)
@@ -418,13 +421,14 @@ def one_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
-def _sum_pairs(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
-    """out [T, H] = per_pair [T·k, H] summed over each token's k pairs, in order."""
+def _sum_pairs(per_pair: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = per_pair [T·k, H] weighted by weights [T, k] and summed over each token's k pairs, in order."""
     tokens, hidden = out.shape
     block_h = min(1024, triton.next_power_of_2(hidden))
     pdl = pdl_supported(out.device)
-    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, out.stride(0), TOP_K=top_k, H=hidden,
-                                                               BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, weights, out, out.stride(0),
+                                                               TOP_K=weights.shape[1], H=hidden, BLOCK_H=block_h,
+                                                               PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -476,7 +480,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
         x, w13, sorted_pairs, block_expert, intermediate, num_pairs, x.stride(0), TOP_K=top_k, H=hidden, I=inter,
         **launch)
-    per_pair = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T·k, H], weighted
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T·k, H], not yet weighted
     _down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
-        intermediate, w2, sorted_pairs, block_expert, weights, per_pair, num_pairs, H=hidden, I=inter, **launch)
-    return _sum_pairs(per_pair, out, top_k)
+        intermediate, w2, sorted_pairs, block_expert, per_pair, num_pairs, H=hidden, I=inter, **launch)
+    return _sum_pairs(per_pair, weights, out)

@@ -11,7 +11,7 @@ encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs
 q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick (the
 model's ``greedy_tokens``, the argmax of the head's own output, as the engine's greedy heads take it),
 timed with CUDA events around the whole step (host planning included), each row at ``context`` cached
-tokens.
+tokens; the host's share of it (the call until it returns, the GPU idle before) is printed beside it.
 Floor = bytes the step must read (weights touched under uniform routing + every row's latent KV) /
 device-to-device copy bandwidth measured in the same run. transformers: ``generate`` (greedy, its default
 dynamic cache): TPOT = (time for 1 + N new tokens − time for 1) / N, where it fits in memory.
@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -101,9 +102,10 @@ def share_weights(weights: dict[str, torch.Tensor]):
     def build(cfg: ModelConfig, backend, device: torch.device, dtype: torch.dtype) -> DeepseekForCausalLM:
         with torch.device("meta"):
             model = DeepseekForCausalLM(cfg, backend)
-        model = model.to_empty(device=device)
+        # transformers' tensors replace the meta parameters: nothing is allocated for them, so the bench fits
+        # an 80 GB card (materializing the model first took a second 31 GB, session 55's H100 ran out of memory)
         model.load_state_dict(weights, assign=True, strict=True)
-        model.rotary.init_buffers()
+        model.rotary.to_empty(device=device).init_buffers()  # its cos/sin table, the one buffer not shared
         return model.eval()
 
     return build
@@ -143,6 +145,19 @@ def greedy_check(runner: ModelRunner, hf: torch.nn.Module) -> dict:
             "logits_rel_err": ((mine - theirs).norm() / theirs.norm()).item()}
 
 
+def host_time_ms(step, iters: int) -> float:
+    """Median host time of a step's call (plan, uploads, launches), the GPU idle before each: the part of
+    the step the engine's overlapped steps hide under the step before."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int], bandwidth: float, iters: int,
                 profile_steps: int = 0) -> list[dict]:
@@ -152,7 +167,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
         for bs in batch_sizes:
             need = bytes_read(runner.model, runner.model.cfg, bs, context)
             floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
-            step_ms, kernels = {}, {}
+            step_ms, host_ms, kernels = {}, {}, {}
             for q_len in (1, VERIFY_Q_LEN):
                 batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages)
 
@@ -162,6 +177,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
 
                 before = runner.graph_stats()["graph_replays"]
                 step_ms[q_len] = time_ms(step, iters)
+                host_ms[q_len] = host_time_ms(step, iters)
                 assert runner.graph_stats()["graph_replays"] > before, "the step did not replay a CUDA graph"
                 if profile_steps:
                     # kernels by name alone: the two shapes launch other grids
@@ -169,7 +185,8 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                                                profile_steps)
             row = {"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context, "tpot_ms": step_ms[1],
                    "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
-                   "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1]}
+                   "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1],
+                   "host_ms": host_ms[1], "verify_host_ms": host_ms[VERIFY_Q_LEN]}
             if profile_steps:
                 row["verify_kernels"] = differences(kernels[1], kernels[VERIFY_Q_LEN], key=kernel_family)
                 print(f"{row['engine']} bs {bs} x {context}, the verify step's kernels against the decode step's "
@@ -251,16 +268,17 @@ def main() -> None:
     print(f"greedy check vs transformers: {checks}; graph prepare s: "
           f"{ {k: round(v, 1) for k, v in prepare_s.items()} }")
     print(f"{'engine':<20} {'bs':>4} {'ctx':>6} {'TPOT ms':>9} {'floor ms':>9} {'x floor':>8} {'verify q4 ms':>13} "
-          f"{'q4/q1':>6}")
+          f"{'q4/q1':>6} {'host q1/q4 ms':>14}")
     for r in rows:
         floor = floors.get((r["bs"], r["context"]))
         tpot = r.get("tpot_ms")
         cells = [f"{tpot:.3f}" if tpot else r.get("error", "-"), f"{floor:.3f}" if floor else "-",
                  f"{tpot / floor:.2f}" if tpot and floor else "-",
                  f"{r['verify_q4_ms']:.3f}" if "verify_q4_ms" in r else "-",
-                 f"{r['verify_over_decode']:.2f}" if "verify_over_decode" in r else "-"]
+                 f"{r['verify_over_decode']:.2f}" if "verify_over_decode" in r else "-",
+                 f"{r['host_ms']:.3f}/{r['verify_host_ms']:.3f}" if "host_ms" in r else "-"]
         print(f"{r['engine']:<20} {r['bs']:>4} {r['context']:>6} {cells[0]:>9} {cells[1]:>9} {cells[2]:>8} "
-              f"{cells[3]:>13} {cells[4]:>6}")
+              f"{cells[3]:>13} {cells[4]:>6} {cells[5]:>14}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
