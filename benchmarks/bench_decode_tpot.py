@@ -102,8 +102,8 @@ def share_weights(weights: dict[str, torch.Tensor]):
     def build(cfg: ModelConfig, backend, device: torch.device, dtype: torch.dtype) -> DeepseekForCausalLM:
         with torch.device("meta"):
             model = DeepseekForCausalLM(cfg, backend)
-        # transformers' tensors replace the meta parameters: nothing is allocated for them, so the bench fits
-        # an 80 GB card (materializing the model first took a second 31 GB, session 55's H100 ran out of memory)
+        # transformers' tensors replace the meta parameters: nothing is allocated for them (materializing the
+        # model first took a second 31 GB, and session 55's H100 ran out of memory)
         model.load_state_dict(weights, assign=True, strict=True)
         model.rotary.to_empty(device=device).init_buffers()  # its cos/sin table, the one buffer not shared
         return model.eval()
