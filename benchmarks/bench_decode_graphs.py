@@ -116,18 +116,26 @@ def decode_batch(bs: int, context: int, device: torch.device, q_len: int = 1, pa
                       list(range(tokens)), device)
 
 
-def time_ms(step, iters: int) -> float:
+def step_times(step, iters: int) -> tuple[float, float]:
+    """Medians in ms of ``step`` between CUDA events around it, and of its call on the host until it returns
+    (plan, uploads, launches): each step starts on an idle GPU, so the host part is on its critical path."""
     for _ in range(3):
         step()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        called = time.perf_counter()
         start.record()
         step()
+        host.append((time.perf_counter() - called) * 1e3)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
+
+
+def time_ms(step, iters: int) -> float:
+    return step_times(step, iters)[0]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, warm_up_s: float = 0.0) -> float:

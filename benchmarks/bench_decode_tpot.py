@@ -29,11 +29,10 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import time
 
 import torch
-from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, time_ms
+from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, step_times
 from profile_decode_kernels import attribute, critical_path, differences, kernel_family, profiled_kernels
 
 from encore.backends.metadata import ForwardBatch
@@ -145,19 +144,6 @@ def greedy_check(runner: ModelRunner, hf: torch.nn.Module) -> dict:
             "logits_rel_err": ((mine - theirs).norm() / theirs.norm()).item()}
 
 
-def host_time_ms(step, iters: int) -> float:
-    """Median host time of a step's call (plan, uploads, launches), the GPU idle before each: the part of
-    the step the engine's overlapped steps hide under the step before."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int], bandwidth: float, iters: int,
                 profile_steps: int = 0) -> list[dict]:
@@ -176,8 +162,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                     return runner.model.greedy_tokens(hidden)
 
                 before = runner.graph_stats()["graph_replays"]
-                step_ms[q_len] = time_ms(step, iters)
-                host_ms[q_len] = host_time_ms(step, iters)
+                step_ms[q_len], host_ms[q_len] = step_times(step, iters)  # host: what overlapped steps hide
                 assert runner.graph_stats()["graph_replays"] > before, "the step did not replay a CUDA graph"
                 if profile_steps:
                     # kernels by name alone: the two shapes launch other grids
