@@ -11,7 +11,9 @@ encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs
 q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick (the
 model's ``greedy_tokens``, the argmax of the head's own output, as the engine's greedy heads take it),
 timed with CUDA events around the whole step (host planning included), each row at ``context`` cached
-tokens; the host's share of it (the call until it returns, the GPU idle before) is printed beside it.
+tokens; the host's share of it (the call until it returns, the GPU idle before) is printed beside it,
+and so is the step's time with the steps called back to back ("piped": each step's host part runs under
+the GPU work of the steps before it, as the engine's overlapped steps run; ``pipelined_ms``).
 Floor = bytes the step must read (weights touched under uniform routing + every row's latent KV) /
 device-to-device copy bandwidth measured in the same run. transformers: ``generate`` (greedy, its default
 dynamic cache): TPOT = (time for 1 + N new tokens − time for 1) / N, where it fits in memory.
@@ -32,7 +34,7 @@ import math
 import time
 
 import torch
-from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, step_times
+from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, pipelined_ms, step_times
 from profile_decode_kernels import attribute, critical_path, differences, kernel_family, profiled_kernels
 
 from encore.backends.metadata import ForwardBatch
@@ -153,7 +155,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
         for bs in batch_sizes:
             need = bytes_read(runner.model, runner.model.cfg, bs, context)
             floor_ms = (need["weights"] + need["kv"]) / bandwidth * 1e3
-            step_ms, host_ms, kernels = {}, {}, {}
+            step_ms, host_ms, piped_ms, kernels = {}, {}, {}, {}
             for q_len in (1, VERIFY_Q_LEN):
                 batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages)
 
@@ -163,6 +165,7 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
 
                 before = runner.graph_stats()["graph_replays"]
                 step_ms[q_len], host_ms[q_len] = step_times(step, iters)  # host: what overlapped steps hide
+                piped_ms[q_len] = pipelined_ms(step, iters)  # steps back to back: the host's share hidden
                 assert runner.graph_stats()["graph_replays"] > before, "the step did not replay a CUDA graph"
                 if profile_steps:
                     # kernels by name alone: the two shapes launch other grids
@@ -171,7 +174,9 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
             row = {"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context, "tpot_ms": step_ms[1],
                    "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
                    "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1],
-                   "host_ms": host_ms[1], "verify_host_ms": host_ms[VERIFY_Q_LEN]}
+                   "host_ms": host_ms[1], "verify_host_ms": host_ms[VERIFY_Q_LEN],
+                   "pipelined_ms": piped_ms[1], "verify_pipelined_ms": piped_ms[VERIFY_Q_LEN],
+                   "pipelined_verify_over_decode": piped_ms[VERIFY_Q_LEN] / piped_ms[1]}
             if profile_steps:
                 row["verify_kernels"] = differences(kernels[1], kernels[VERIFY_Q_LEN], key=kernel_family)
                 print(f"{row['engine']} bs {bs} x {context}, the verify step's kernels against the decode step's "
@@ -253,7 +258,7 @@ def main() -> None:
     print(f"greedy check vs transformers: {checks}; graph prepare s: "
           f"{ {k: round(v, 1) for k, v in prepare_s.items()} }")
     print(f"{'engine':<20} {'bs':>4} {'ctx':>6} {'TPOT ms':>9} {'floor ms':>9} {'x floor':>8} {'verify q4 ms':>13} "
-          f"{'q4/q1':>6} {'host q1/q4 ms':>14}")
+          f"{'q4/q1':>6} {'host q1/q4 ms':>14} {'piped q1/q4 ms':>15} {'piped q4/q1':>12}")
     for r in rows:
         floor = floors.get((r["bs"], r["context"]))
         tpot = r.get("tpot_ms")
@@ -261,9 +266,11 @@ def main() -> None:
                  f"{tpot / floor:.2f}" if tpot and floor else "-",
                  f"{r['verify_q4_ms']:.3f}" if "verify_q4_ms" in r else "-",
                  f"{r['verify_over_decode']:.2f}" if "verify_over_decode" in r else "-",
-                 f"{r['host_ms']:.3f}/{r['verify_host_ms']:.3f}" if "host_ms" in r else "-"]
+                 f"{r['host_ms']:.3f}/{r['verify_host_ms']:.3f}" if "host_ms" in r else "-",
+                 f"{r['pipelined_ms']:.3f}/{r['verify_pipelined_ms']:.3f}" if "pipelined_ms" in r else "-",
+                 f"{r['pipelined_verify_over_decode']:.2f}" if "pipelined_ms" in r else "-"]
         print(f"{r['engine']:<20} {r['bs']:>4} {r['context']:>6} {cells[0]:>9} {cells[1]:>9} {cells[2]:>8} "
-              f"{cells[3]:>13} {cells[4]:>6} {cells[5]:>14}")
+              f"{cells[3]:>13} {cells[4]:>6} {cells[5]:>14} {cells[6]:>15} {cells[7]:>12}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
