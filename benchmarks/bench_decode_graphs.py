@@ -169,18 +169,21 @@ def copy_bandwidth(nbytes: int = 1 << 30, warm_up_s: float = 0.0) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
-def bytes_read(model: DeepseekForCausalLM, cfg: ModelConfig, bs: int, context: int) -> dict[str, float]:
-    """What a decode step of ``bs`` rows must read: weights it touches and the rows' latent KV."""
-    expected_experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** bs)
+def bytes_read(model: DeepseekForCausalLM, cfg: ModelConfig, bs: int, context: int, q_len: int = 1
+               ) -> dict[str, float]:
+    """What a decode step of ``bs`` rows of ``q_len`` tokens each (a verify step: q_len > 1) must read:
+    weights its tokens touch under uniform routing and the rows' latent KV."""
+    tokens = bs * q_len
+    expected_experts = cfg.n_routed_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** tokens)
     weights = 0.0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
         if name.endswith("embed_tokens.weight"):
-            size = bs * param.shape[1] * param.element_size()  # only the rows looked up
+            size = tokens * param.shape[1] * param.element_size()  # only the rows looked up
         elif ".experts.w" in name:  # with shared experts fused, the stack's last ones are read every step
             size = size / param.shape[0] * (expected_experts + param.shape[0] - cfg.n_routed_experts)
         weights += size
-    kv = bs * (context + 1) * cfg.latent_dim * 2 * cfg.num_hidden_layers
+    kv = bs * (context + q_len) * cfg.latent_dim * 2 * cfg.num_hidden_layers
     return {"weights": weights, "kv": kv, "expected_experts_per_layer": expected_experts}
 
 
