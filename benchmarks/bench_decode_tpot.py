@@ -35,7 +35,7 @@ import math
 import time
 
 import torch
-from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, pipelined_ms, step_times
+from bench_decode_graphs import bytes_read, copy_bandwidth, decode_batch, floor_ms, pipelined_ms, step_times
 from profile_decode_kernels import attribute, critical_path, differences, kernel_family, profiled_kernels
 
 from encore.backends.metadata import ForwardBatch
@@ -154,8 +154,8 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
     max_pages = runner.graphs.buffers.max_pages
     for context in contexts:
         for bs in batch_sizes:
-            reads = [bytes_read(runner.model, runner.model.cfg, bs, context, q_len) for q_len in (1, VERIFY_Q_LEN)]
-            floor_ms, verify_floor_ms = ((need["weights"] + need["kv"]) / bandwidth * 1e3 for need in reads)
+            floor, verify_floor = (floor_ms(bytes_read(runner.model, runner.model.cfg, bs, context, q_len), bandwidth)
+                                   for q_len in (1, VERIFY_Q_LEN))
             step_ms, host_ms, piped_ms, kernels = {}, {}, {}, {}
             for q_len in (1, VERIFY_Q_LEN):
                 batch = decode_batch(bs, context, runner.device, q_len, PAGE_SIZE, max_pages)
@@ -173,9 +173,9 @@ def encore_rows(runner: ModelRunner, batch_sizes: list[int], contexts: list[int]
                     kernels[q_len] = attribute(critical_path(profiled_kernels(step, profile_steps, grids=False)),
                                                profile_steps)
             row = {"engine": f"encore-{runner.backend.name}", "bs": bs, "context": context, "tpot_ms": step_ms[1],
-                   "floor_ms": floor_ms, "x_floor": step_ms[1] / floor_ms, "throughput_vs_floor": floor_ms / step_ms[1],
+                   "floor_ms": floor, "x_floor": step_ms[1] / floor, "throughput_vs_floor": floor / step_ms[1],
                    "verify_q4_ms": step_ms[VERIFY_Q_LEN], "verify_over_decode": step_ms[VERIFY_Q_LEN] / step_ms[1],
-                   "verify_floor_ms": verify_floor_ms, "verify_x_floor": step_ms[VERIFY_Q_LEN] / verify_floor_ms,
+                   "verify_floor_ms": verify_floor, "verify_x_floor": step_ms[VERIFY_Q_LEN] / verify_floor,
                    "host_ms": host_ms[1], "verify_host_ms": host_ms[VERIFY_Q_LEN],
                    "pipelined_ms": piped_ms[1], "verify_pipelined_ms": piped_ms[VERIFY_Q_LEN],
                    "pipelined_verify_over_decode": piped_ms[VERIFY_Q_LEN] / piped_ms[1]}
@@ -259,9 +259,9 @@ def main() -> None:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, page size {PAGE_SIZE}")
     print(f"greedy check vs transformers: {checks}; graph prepare s: "
           f"{ {k: round(v, 1) for k, v in prepare_s.items()} }")
-    print(f"{'engine':<20} {'bs':>4} {'ctx':>6} {'TPOT ms':>9} {'floor ms':>9} {'x floor':>8} {'verify q4 ms':>13} "
-          f"{'q4/q1':>6} {'q4 floor ms':>12} {'q4 x floor':>11} {'host q1/q4 ms':>14} {'piped q1/q4 ms':>15} "
-          f"{'piped q4/q1':>12}")
+    columns = {"TPOT ms": 9, "floor ms": 9, "x floor": 8, "verify q4 ms": 13, "q4/q1": 6, "q4 floor ms": 12,
+               "q4 x floor": 11, "host q1/q4 ms": 14, "piped q1/q4 ms": 15, "piped q4/q1": 12}
+    print(f"{'engine':<20} {'bs':>4} {'ctx':>6} " + " ".join(f"{title:>{width}}" for title, width in columns.items()))
     for r in rows:
         floor = floors.get((r["bs"], r["context"]))
         tpot = r.get("tpot_ms")
@@ -275,7 +275,7 @@ def main() -> None:
                  f"{r['pipelined_ms']:.3f}/{r['verify_pipelined_ms']:.3f}" if "pipelined_ms" in r else "-",
                  f"{r['pipelined_verify_over_decode']:.2f}" if "pipelined_ms" in r else "-"]
         print(f"{r['engine']:<20} {r['bs']:>4} {r['context']:>6} "
-              + " ".join(f"{cell:>{width}}" for cell, width in zip(cells, (9, 9, 8, 13, 6, 12, 11, 14, 15, 12))))
+              + " ".join(f"{cell:>{width}}" for cell, width in zip(cells, columns.values(), strict=True)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

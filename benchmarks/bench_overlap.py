@@ -87,11 +87,10 @@ def trial(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> d
             "tokens": [tokens[r] for r in ids]}
 
 
-def floor_ms(engine: Engine, bs: int, context: int, bandwidth: float) -> float:
-    from bench_decode_graphs import V2_LITE, bytes_read
+def engine_floor_ms(engine: Engine, bs: int, context: int, bandwidth: float) -> float:
+    from bench_decode_graphs import V2_LITE, bytes_read, floor_ms
 
-    read = bytes_read(engine.runner.model, V2_LITE, bs, context)
-    return (read["weights"] + read["kv"]) / bandwidth * 1e3
+    return floor_ms(bytes_read(engine.runner.model, V2_LITE, bs, context), bandwidth)
 
 
 def main() -> None:
@@ -146,7 +145,7 @@ def main() -> None:
         row["tpot_ratio"] = row["on_tpot_ms"] / row["off_tpot_ms"]
         row["tok_s_ratio"] = row["on_tok_s"] / row["off_tok_s"]
         if bandwidth is not None:
-            row["floor_ms"] = floor_ms(engine, bs, args.context + args.max_tokens // 2, bandwidth)
+            row["floor_ms"] = engine_floor_ms(engine, bs, args.context + args.max_tokens // 2, bandwidth)
             row["off_floor_fraction"] = row["floor_ms"] / row["off_step_ms"]
             row["on_floor_fraction"] = row["floor_ms"] / row["on_step_ms"]
         rows.append(row)
