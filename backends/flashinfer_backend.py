@@ -19,15 +19,21 @@ Prefill rows take one of two paths:
   to its length and never decompresses the prefix; graph keys hold small prefill buckets
   (graphs/keys.py), where the absorbed formulation's extra FLOPs are cheap.
 
-Small decode steps: where "auto" picks this backend (``AutoFlashInferAttentionBackend``), decode rows of
-at most ``SMALL_DECODE_TOKENS`` tokens in all (rows × q_len) run on encore's Triton decode kernel,
-which is faster there and needs no host plan. V2-Lite attention (absorb + MLA + project, static plans in
-a CUDA graph, KV cold; benchmarks/bench_decode_backends.py, H100, session 55), Triton / flashinfer µs a
-layer: 1 row × q1 × 1k keys 11.0 / 18.8, 4 × q1 × 1k 17.7 / 18.5, 1 × q4 × 1k 16.6 / 22.7, 1 × q1 × 32k
-35.3 / 55.1; from 8 tokens on flashinfer mostly leads (8 × q1 × 1k 21.7 / 20.7; 2 × q4 × 1k, 32k table:
-25.7 / 20.1; 64 × q1 × 8k: 225.9 / 218.4; 64 × q4 × 1k 80.4 / 55.7). The choice depends on the step's
-shape only, so a graph key keeps it. These steps are counted (``triton_decode_steps``). An explicit
-``attention_backend="flashinfer"`` runs every decode row on flashinfer.
+Decode steps on the Triton kernel: where "auto" picks this backend (``AutoFlashInferAttentionBackend``),
+decode steps of q_len 1 at any batch size, and spec-verify steps of at most ``SMALL_DECODE_TOKENS``
+tokens in all (rows × q_len), run on encore's Triton decode kernel, which needs no host plan. In the
+engine's step (DeepSeek-V2-Lite shape, CUDA graphs, benchmarks/bench_decode_tpot.py, H100, session 57,
+steps back to back) Triton's q_len-1 step is the faster at every batch size: bs 8 × 1k 7.23 / 7.47 ms
+(Triton / flashinfer), bs 64 × 1k 12.43 / 12.75, bs 64 × 8k 17.08 / 17.20 (and in session 54's H200 run,
+steps one at a time: 5.56 / 6.27, 9.53 / 10.40, 13.23 / 14.19; the engine's overlapped steps with this
+rule against flashinfer's, session 58, H100: 7.33 / 7.36 at bs 8, 12.14 / 12.27 at bs 64,
+benchmarks/bench_overlap.py), although flashinfer's kernel alone leads from 8 tokens on
+(benchmarks/bench_decode_backends.py, session 55: 8 × q1 × 1k 21.7 / 20.7 µs a layer, 64 × q1 × 8k
+225.9 / 218.4). At q_len 4 Triton's 64-pair tile is slow from 8 rows on (64 × q4 × 1k 80.4 /
+55.7 µs a layer; the engine's bs 64 × 8k verify step 22.49 / 18.76 ms), so larger verify steps stay on
+flashinfer. The choice depends on the step's shape only, so a graph key keeps it. These steps are
+counted (``triton_decode_steps``). An explicit ``attention_backend="flashinfer"`` runs every decode row
+on flashinfer.
 
 Planning needs the rows' lengths on the host (``seq_lens_cpu``); flashinfer partitions the work by
 them. A step built on the device (speculative draft steps 2..k advance lengths on the GPU) has none:
@@ -80,7 +86,7 @@ log = logging.getLogger(__name__)
 
 _WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace; one, shared by every wrapper
 _INT_WORKSPACE_BYTES = 8 << 20  # the integer workspace flashinfer's fa2/fa3 MLA backends allocate
-SMALL_DECODE_TOKENS = 4  # decode steps of at most this many tokens take the Triton kernel under "auto"
+SMALL_DECODE_TOKENS = 4  # verify steps of at most this many tokens take the Triton kernel under "auto"
 _MLA_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -333,7 +339,6 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_spec_as_decode = True
     supports_nonuniform_decode = False  # the scheduler's decode rows are uniform; graphs need it
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.EXTEND})
-    small_decode_tokens = 0  # decode steps of at most this many tokens run on the Triton kernel
 
     def __init__(self, kv_caches: list[torch.Tensor], dims: MLADims) -> None:
         super().__init__(kv_caches, dims)
@@ -357,7 +362,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._triton_decode_steps = 0
 
     def warm_up_decode(self, q_len: int) -> int:
-        # The Triton kernel takes device-planned steps and small decode steps.
+        # The Triton kernel takes device-planned steps and the decode steps "auto" routes to it.
         return self._device_planned.warm_up_decode(q_len)
 
     def plan(self, batch: ForwardBatch, static: bool = False) -> None:
@@ -390,7 +395,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
         self._decode = None
-        if 0 < batch.num_decodes * batch.q_len_per_req <= self.small_decode_tokens:
+        if batch.num_decodes and self.decode_on_triton(batch.num_decodes, batch.q_len_per_req):
             self._triton_decode_steps += 1
         elif batch.num_decodes:
             rows, q = batch.num_decodes, batch.q_len_per_req
@@ -399,6 +404,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             plan.plan(_rows([q] * rows, seq[E:], page_size), batch.page_table[E:], self.dims, page_size,
                       q > 1, dtype, dtype)
             self._decode = plan
+
+    def decode_on_triton(self, rows: int, q_len: int) -> bool:
+        """Whether a step's decode rows run on the Triton kernel (module docstring): never here."""
+        return False
 
     def absorbs_prefill(self, q_lens: list[int], prefix_lens: list[int]) -> bool:
         """The eager prefill path (module docstring): absorbed where it costs fewer FLOPs than MHA."""
@@ -467,14 +476,15 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                cache: torch.Tensor, out: torch.Tensor, batch: ForwardBatch, q_lat: torch.Tensor | None = None) -> None:
-        if self._on_device or self._decode is None:  # planned on the device, or a small decode step
+        if self._on_device or self._decode is None:  # planned on the device, or routed to the Triton kernel
             self._device_planned.decode(q_nope, q_pe, w_kc, w_vc, cache, out, batch, q_lat)
             return
         self._decode.run(q_nope, q_pe, w_kc, w_vc, cache, out, q_lat)
 
 
 class AutoFlashInferAttentionBackend(FlashInferAttentionBackend):
-    """What "auto" runs where flashinfer takes the model: small decode steps on the Triton kernel
-    (module docstring)."""
+    """What "auto" runs where flashinfer takes the model: q_len-1 decode steps and small verify steps on
+    the Triton kernel (module docstring)."""
 
-    small_decode_tokens = SMALL_DECODE_TOKENS
+    def decode_on_triton(self, rows: int, q_len: int) -> bool:
+        return q_len == 1 or rows * q_len <= SMALL_DECODE_TOKENS

@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 
 def select_backend(name: str, device: torch.device, dims: MLADims, dtype: torch.dtype) -> type[AttentionBackend]:
     """``"auto"``: flashinfer where its MLA kernels take the model (importable, sm90+, fp16/bf16, MLA
-    dims it compiles), with its small decode steps on the Triton kernel, faster there
-    (``AutoFlashInferAttentionBackend``); else Triton on CUDA, else the torch reference. An explicit
+    dims it compiles), with its q_len-1 decode steps and small verify steps on the Triton kernel, faster
+    there (``AutoFlashInferAttentionBackend``); else Triton on CUDA, else the torch reference. An explicit
     name is honoured or refused with the reason, never swapped silently."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

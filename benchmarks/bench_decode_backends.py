@@ -4,9 +4,9 @@ captured in one CUDA graph: q_nope·W_kc, the MLA kernel over the paged latent c
 DeepSeek-V2-Lite's attention (H 16, latent 512 + 64, bf16, pages of 64). The page table is as wide as
 an engine's ``max_model_len`` makes it (``GRID``: 2k and 32k tokens), since the Triton kernel's splits
 follow that width; every row holds ``context`` keys (``bench_decode_graphs.decode_batch``). The calls of one graph cycle through copies of the cache,
-together several times the L2, so each reads its KV from HBM as a model step does. This is what
-``flashinfer_backend.SMALL_DECODE_TOKENS`` ("auto" runs decode steps of that many tokens or fewer on
-the Triton kernel) was chosen from.
+together several times the L2, so each reads its KV from HBM as a model step does. Session 55 chose
+``flashinfer_backend.SMALL_DECODE_TOKENS`` from it; the engine's own steps (``bench_decode_tpot.py``,
+session 57) moved every q_len-1 decode step to the Triton kernel, which this kernel-only view misses.
 
     python benchmarks/bench_decode_backends.py [--json out.json]
 """

@@ -152,9 +152,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
     stats = engine.stats()
     backend = engine.runner.backend.name
-    small = getattr(engine.runner.backend, "small_decode_tokens", 0)  # "auto": small decode steps on Triton
-    if small:
-        backend += f", decode steps of <= {small} tokens on Triton"
+    if stats["attention_triton_decode_steps"]:  # "auto" on flashinfer: q_len-1 decode steps on Triton
+        backend += f", {stats['attention_triton_decode_steps']} steps' decode rows on Triton"
     print(f"\n{device}, {args.model} ({backend} attention), context {args.context}, {args.max_tokens} tokens, "
           f"medians of {args.trials} trials; eager steps {stats['eager_steps']}, kernel compiles "
           f"{stats['kernel_compiles']}")

@@ -63,17 +63,20 @@ def test_device_planned_steps_take_the_triton_kernels():
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager-plan", "static-plan"])
 @pytest.mark.parametrize("case, on_triton", [
-    (([], [1, 5, 40, 77], 1), True),  # 4 tokens
-    (([], [9, 300], 2), True),
+    (([], [1, 5, 40, 77], 1), True),  # q_len 1
+    (([], [1, 5, 40, 77, 90, 300, 7, 12, 64], 1), True),
+    (([], [9, 300], 2), True),  # 4 tokens
     (([], [20000], 4), True),
-    (([(3, 9), (0, 5)], [1, 17, 50], 1), True),  # a MIXED step's 3 decode rows; its prefill rows stay on flashinfer
-    (([], [1, 5, 40, 77, 90], 1), False),  # 5 tokens
-    (([], [9, 300], 3), False),
+    (([(3, 9), (0, 5)], [1, 17, 50, 33, 8], 1), True),  # a MIXED step's decode rows; its prefill rows stay on flashinfer
+    (([], [9, 300], 3), False),  # 6 tokens
+    (([], [9, 300, 40, 2], 2), False),
+    (([(3, 9)], [5, 17, 50], 2), False),
     (([(3, 9)], [], 1), False),  # no decode rows
-], ids=["q1x4", "q2x2", "q4x1-20k", "mixed-3-decodes", "q1x5", "q3x2", "prefill-only"])
-def test_auto_runs_small_decode_steps_on_the_triton_kernel(case, on_triton, static):
-    """Under "auto", decode rows of at most SMALL_DECODE_TOKENS tokens take the Triton kernel (faster
-    there), counted, with no flashinfer decode plan; larger ones take flashinfer. Both match the reference."""
+], ids=["q1x4", "q1x9", "q2x2", "q4x1-20k", "mixed-q1x5", "q3x2", "q2x4", "mixed-q2x3", "prefill-only"])
+def test_auto_runs_decode_and_small_verify_steps_on_the_triton_kernel(case, on_triton, static):
+    """Under "auto", q_len-1 decode rows and verify rows of at most SMALL_DECODE_TOKENS tokens take the
+    Triton kernel (faster there), counted, with no flashinfer decode plan; larger verify steps take
+    flashinfer. Both match the reference."""
     batch = check_against_torch(backend_cls(auto=True), *case, 16, torch.bfloat16, DIMS, static)
     cache = torch.zeros(1, 16, DIMS.latent_dim, dtype=torch.bfloat16, device="cuda")
     for auto in (True, False):
@@ -244,5 +247,5 @@ def test_engine_greedy_matches_the_torch_backend(tmp_path):
     stats = engine.stats()
     assert stats["graph_replays"] > 0 and stats["attention_fallback_steps"] == 0, stats
     assert stats["attention_slow_replans"] == 0, stats
-    assert stats["attention_triton_decode_steps"] > 0, stats  # bs 1-4 decode steps (SMALL_DECODE_TOKENS)
+    assert stats["attention_triton_decode_steps"] > 0, stats  # the q_len-1 decode steps
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
