@@ -2,10 +2,12 @@
 the memory-bandwidth floor vs HF transformers' own DeepseekV2 on the same weights.
 
 Weights: transformers' DeepseekV2ForCausalLM is built on the GPU from V2-Lite's config.json values
-(random bf16, its own initializer); encore's model shares those very tensors (experts, attention,
+(random bf16, its own initializer, seed 0); encore's model shares those very tensors (experts, attention,
 embeddings), so both run the same numbers — except each MoE layer's expert stacks, which the engine
 copies when it fuses the shared experts into them on CUDA (same values). A greedy check on a short prompt
-(argmax and logits error of encore vs transformers) guards the name mapping.
+(argmax and logits error of encore vs transformers; the rank of transformers' pick among encore's logits,
+and its lead over its second pick against the two models' largest logit difference, which tell a bf16
+near-tie of random weights' flat logits from a wrong model) guards the name mapping.
 
 encore: one ModelRunner per attention backend with CUDA-graph keys for decode bs 1/8/64 at q_len 1 and
 q_len 4 (spec verify: 1 + k with k = 3); a step = plan + replay + logits of every row + greedy pick (the
@@ -72,6 +74,7 @@ def build_hf() -> torch.nn.Module:
     config = AutoConfig.for_model("deepseek_v2", **fields)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
+    torch.manual_seed(0)  # the same weights every run
     try:
         with torch.device("cuda"):
             model = DeepseekV2ForCausalLM(config)
@@ -143,8 +146,13 @@ def greedy_check(runner: ModelRunner, hf: torch.nn.Module) -> dict:
     batch = prompt_batch(ids)
     mine = runner.model.compute_logits(runner.forward(batch, batch.gather_ids))[0]
     theirs = hf(ids[None]).logits[0, -1].float()
+    top2 = theirs.topk(2).values
+    # random weights give near-flat logits: where the picks differ, whether transformers' own lead is
+    # within the two models' largest logit difference (bf16 rounding) tells a near-tie from a wrong model
     return {"argmax_equal": bool(mine.argmax() == theirs.argmax()),
-            "logits_rel_err": ((mine - theirs).norm() / theirs.norm()).item()}
+            "logits_rel_err": ((mine - theirs).norm() / theirs.norm()).item(),
+            "their_pick_rank_in_mine": int((mine > mine[theirs.argmax()]).sum()),
+            "their_top2_gap": (top2[0] - top2[1]).item(), "logits_max_abs_diff": (mine - theirs).abs().max().item()}
 
 
 @torch.inference_mode()
