@@ -87,12 +87,6 @@ def trial(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> d
             "tokens": [tokens[r] for r in ids]}
 
 
-def engine_floor_ms(engine: Engine, bs: int, context: int, bandwidth: float) -> float:
-    from bench_decode_graphs import V2_LITE, bytes_read, floor_ms
-
-    return floor_ms(bytes_read(engine.runner.model, V2_LITE, bs, context), bandwidth)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("tiny", "v2-lite"), default="tiny")
@@ -109,7 +103,7 @@ def main() -> None:
                         attention_backend=args.attention_backend, **options(batch_sizes))
         bandwidth = None
     else:
-        from bench_decode_graphs import copy_bandwidth
+        from bench_decode_graphs import V2_LITE, bytes_read, copy_bandwidth, floor_ms
 
         # Before the engine: its KV pool takes most of the memory left, and on an H100 the copy's 2 GiB
         # no longer fit after it. A second of copies first brings the idle GPU's clocks up.
@@ -145,7 +139,8 @@ def main() -> None:
         row["tpot_ratio"] = row["on_tpot_ms"] / row["off_tpot_ms"]
         row["tok_s_ratio"] = row["on_tok_s"] / row["off_tok_s"]
         if bandwidth is not None:
-            row["floor_ms"] = engine_floor_ms(engine, bs, args.context + args.max_tokens // 2, bandwidth)
+            need = bytes_read(engine.runner.model, V2_LITE, bs, args.context + args.max_tokens // 2)
+            row["floor_ms"] = floor_ms(need, bandwidth)
             row["off_floor_fraction"] = row["floor_ms"] / row["off_step_ms"]
             row["on_floor_fraction"] = row["floor_ms"] / row["on_step_ms"]
         rows.append(row)
