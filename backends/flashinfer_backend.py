@@ -51,10 +51,10 @@ replayed a step of a few short prefill rows, e.g. prompts that start from the pr
 its capture at another mean, and the layout check refused it.) ``wrapper.plan`` validates its
 arguments in Python for ~0.7 ms a call (H200; its native planner takes ~0.1 ms), which at bs 1 was a
 fifth of a V2-Lite decode step. So a static shape is planned through ``wrapper.plan`` once, and
-every later plan calls the native planner behind it directly and refreshes the reserved metadata
-buffers (``_Replanner``), checking that the plan's layout is the one the graph captured. Where
-flashinfer's internals differ from what ``_Replanner`` reads, every plan takes ``wrapper.plan``,
-counted in ``slow_replans`` with one warning.
+every later plan calls the native planner behind it directly, uploads the plan and copies the rows'
+page-table rows in (``_Replanner``, which lists what else it leaves out), checking that the plan's
+layout is the one the graph captured. Where flashinfer's internals differ from what ``_Replanner``
+reads, every plan takes ``wrapper.plan``, counted in ``slow_replans`` with one warning.
 
 A plan lives in a wrapper's integer workspace (8 MiB on the device and 8 MiB of pinned host memory,
 which flashinfer allocates per wrapper), read by the step's kernels: with a static plan per graph key
@@ -111,28 +111,37 @@ def unsupported_reason(dims: MLADims, dtype: torch.dtype, device: torch.device) 
 
 @dataclass(slots=True)
 class _Rows:
-    """Host CSR metadata of a set of rows over the paged cache; the last ``dummy_rows`` of them read
-    only the dummy page and have no row in the page table."""
+    """Host metadata of a set of rows over the paged cache (``_rows``); the last ``dummy_rows`` of them
+    read only the dummy page and have no row in the page table."""
 
     qo_indptr: torch.Tensor  # [R + 1] int32, CPU
-    kv_indptr: torch.Tensor  # [R + 1] int32, CPU: ceil(kv_len / page_size) pages each
+    kv_indptr: torch.Tensor  # [R + 1] int32, CPU: each row's first kv_indices entry (``_rows``' span)
     kv_len: torch.Tensor  # [R] int32, CPU
-    table_pages: int  # pages of the rows the page table holds (kv_indptr[R - dummy_rows])
+    table_pages: int  # kv_indices entries of the rows the page table holds (kv_indptr[R - dummy_rows])
     num_pages: int  # kv_indptr[-1]
     dummy_rows: int = 0
 
 
-def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, filler: int | None = None) -> _Rows:
+def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, filler: int | None = None,
+          span: int | None = None) -> _Rows:
     """Built from Python lists (``host_tensor``): it runs before every flashinfer step, and as torch ops
     on small tensors it took ~200 µs at any row count on the CI machine, as lists 15 µs for one row.
     Its work is per row, never per page: the pages themselves are gathered on the device (``_row_pages``).
-    ``filler``: a last row of that many queries over as many keys on the dummy page (module docstring)."""
+    ``filler``: a last row of that many queries over as many keys on the dummy page (module docstring).
+    ``span``: each table row's pages start ``span`` entries after the row before's (the page table's
+    width, for a native re-plan that reads the table as it is: ``_Replanner``) instead of right after
+    its last page (CSR, as ``wrapper.plan`` requires)."""
     dummy = [] if filler is None else [filler]
     kv_lens = kv_lens + dummy
-    kv_indptr = list(accumulate(((n + page_size - 1) // page_size for n in kv_lens), initial=0))
+    pages = [(n + page_size - 1) // page_size for n in kv_lens]
+    if span is None:
+        kv_indptr = list(accumulate(pages, initial=0))
+    else:
+        table_end = len(q_lens) * span
+        kv_indptr = list(range(0, table_end + 1, span)) + [table_end + n for n in pages[len(q_lens):]]
     return _Rows(host_tensor(list(accumulate(q_lens + dummy, initial=0)), torch.int32),
                  host_tensor(kv_indptr, torch.int32), host_tensor(kv_lens, torch.int32),
-                 kv_indptr[len(kv_lens) - len(dummy)], kv_indptr[-1], len(dummy))
+                 kv_indptr[len(q_lens)], kv_indptr[-1], len(dummy))
 
 
 def _row_pages(page_table: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -195,24 +204,37 @@ class _PlanSpace:
 
 class _Replanner:
     """Re-plans a CUDA-graph wrapper that ``wrapper.plan`` has planned once, through the native planner
-    that plan called (flashinfer's generated fa2/fa3 module), then refreshes the reserved metadata
-    buffers, as ``wrapper.plan`` does minus its argument checks. The plan's layout (workspace offsets,
-    grid) must stay the one the graph captured: a change raises instead of replaying a stale graph.
+    that plan called (flashinfer's generated fa2/fa3 module), as ``wrapper.plan`` does minus its argument
+    checks and metadata copies. The plan's layout (workspace offsets, grid) must stay the one the graph
+    captured: a change raises instead of replaying a stale graph.
     Of those checks only one depends on the rows' lengths: with a causal plan whose query tile (64 or
     128 packed rows, as flashinfer's planner picks it) is not a multiple of the head count, flashinfer
     refuses lengths at which its kernel would drop a visible key. Such a plan is left to
     ``wrapper.plan`` (``__call__`` returns False); head counts of 16, 32, 64 or 128 never need it.
 
+    What a re-plan does on the host, each part measured on an H100 host (session 59, V2-Lite's 16
+    heads): the whole static plan takes 93-311 µs at bs 1-64, 349-537 µs before these shortcuts:
+    - the native planner writes the plan into the pinned integer workspace (29-112 µs) and it goes to
+      the device in one copy from there (12 µs). flashinfer 0.7's module proxy instead stages it
+      through a new pinned tensor and a host copy (36 µs more, plus ~25 µs of Python checks);
+    - the fa2/fa3 kernels read the rows' pages (``kv_indices``) and the plan, nothing else: the
+      rows' indptrs and lengths are the planner's host inputs and are not copied to the device (three
+      copies, ~30 µs);
+    - each row's pages are read from the page table as it is, one copy of its rows, each row's span
+      the table's width (``_rows``' ``span``), instead of being gathered into CSR order on the device
+      (~120 µs of host for ~10 launches). The entries after the table's rows hold the dummy page for
+      the filler row (``_MLAPlan``).
+
     ``of`` returns None where the wrapper's internals are not the ones read here (another flashinfer
     version or backend)."""
 
     def __init__(self, backend) -> None:
-        self._plan = backend._cached_module.plan_with_staged_workspace_bytes
-        self._workspaces = (backend._float_workspace_buffer, backend._int_workspace_buffer,
-                            backend._pin_memory_int_workspace_buffer)
-        self._qo_indptr, self._kv_indptr = backend._qo_indptr_buf, backend._kv_indptr_buf
-        self._kv_indices, self._kv_len = backend._kv_indices_buf, backend._kv_len_arr_buf
-        self.layout = tuple(backend._plan_info)
+        self._plan = backend._cached_module._module.plan  # the generated planner under flashinfer 0.7's proxy
+        self._float_workspace = backend._float_workspace_buffer
+        self._int_workspace = backend._int_workspace_buffer
+        self._pinned = backend._pin_memory_int_workspace_buffer
+        self._kv_indices = backend._kv_indices_buf
+        self.layout = backend._plan_info  # flashinfer's FFI array: ``==`` compares it in one native call
 
     @classmethod
     def of(cls, wrapper) -> _Replanner | None:
@@ -222,22 +244,22 @@ class _Replanner:
         except (AttributeError, TypeError):
             return None
 
-    def __call__(self, rows: _Rows, kv_indices: torch.Tensor, num_heads: int, head_dim_ckv: int,
+    def __call__(self, rows: _Rows, page_table: torch.Tensor, num_heads: int, head_dim_ckv: int,
                  causal: bool) -> bool:
-        """Re-plans, or returns False where ``wrapper.plan`` must check the lengths (class docstring)."""
+        """Re-plans ``rows`` (laid out with the table's width as their span) over ``page_table`` [R, W], or
+        returns False where ``wrapper.plan`` must check the lengths (class docstring)."""
         if causal:
             packed_per_row = int(rows.qo_indptr[-1]) * num_heads // rows.kv_len.numel()
             if (128 if packed_per_row > 64 else 64) % num_heads:
                 return False
-        layout, _ = self._plan(*self._workspaces, rows.qo_indptr, rows.kv_indptr, rows.kv_len, num_heads,
-                               head_dim_ckv, causal)
-        if tuple(layout) != self.layout:
+        layout, staged = self._plan(self._float_workspace, self._int_workspace, self._pinned, rows.qo_indptr,
+                                    rows.kv_indptr, rows.kv_len, num_heads, head_dim_ckv, causal)
+        if layout != self.layout:
             raise RuntimeError(f"flashinfer's MLA plan layout changed between re-plans of one graph shape "
-                               f"({self.layout} -> {tuple(layout)}); its captured graph would be stale")
-        self._qo_indptr.copy_(rows.qo_indptr, non_blocking=True)
-        self._kv_indptr.copy_(rows.kv_indptr, non_blocking=True)
-        self._kv_indices[:kv_indices.numel()].copy_(kv_indices, non_blocking=True)
-        self._kv_len.copy_(rows.kv_len, non_blocking=True)
+                               f"({tuple(self.layout)} -> {tuple(layout)}); its captured graph would be stale")
+        staged = int(staged)
+        self._int_workspace[:staged].copy_(self._pinned[:staged], non_blocking=True)
+        self._kv_indices[:rows.table_pages].view(page_table.shape).copy_(page_table)
         return True
 
 
@@ -245,7 +267,9 @@ class _MLAPlan:
     """One BatchMLAPagedAttentionWrapper and what the next ``run`` needs. Static plans (``space``
     given) own reserved metadata buffers sized for ``rows`` rows over ``max_pages`` pages in all
     (graph-capturable); after their first plan they re-plan through a ``_Replanner`` when flashinfer
-    allows it, in ``space``'s integer workspace."""
+    allows it, in ``space``'s integer workspace. Their ``kv_indices`` start as the dummy page: a CSR
+    plan (``wrapper.plan``) writes real pages only within its table rows' R·W entries (a row has at
+    most W pages), so the entries after them, which a re-plan's filler row reads, stay the dummy page."""
 
     def __init__(self, workspace: torch.Tensor, rows: int | None = None, max_pages: int | None = None,
                  space: _PlanSpace | None = None) -> None:
@@ -264,22 +288,28 @@ class _MLAPlan:
                 workspace, use_cuda_graph=True,
                 qo_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
                 kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
-                kv_indices=torch.zeros(max(max_pages, 1), dtype=torch.int32, device=device),
+                kv_indices=torch.full((max(max_pages, 1),), DUMMY_PAGE, dtype=torch.int32, device=device),
                 kv_len_arr=torch.zeros(rows, dtype=torch.int32, device=device))
 
-    def plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
-             dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    def plan(self, q_lens: list[int], kv_lens: list[int], filler: int | None, page_table: torch.Tensor,
+             dims: MLADims, page_size: int, causal: bool, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Rows of ``q_lens`` queries over ``kv_lens`` keys, each on its row of ``page_table`` [R, W], then
+        the ``filler`` row (``_rows``)."""
         with self._fence:
-            self._plan(rows, page_table, dims, page_size, causal, dtype, kv_dtype)
+            self._plan(q_lens, kv_lens, filler, page_table, dims, page_size, causal, dtype, kv_dtype)
 
-    def _plan(self, rows: _Rows, page_table: torch.Tensor, dims: MLADims, page_size: int, causal: bool,
-              dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    def _plan(self, q_lens: list[int], kv_lens: list[int], filler: int | None, page_table: torch.Tensor,
+              dims: MLADims, page_size: int, causal: bool, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         from flashinfer.mla import MLAPlanMetadata
 
-        kv_indices = _row_pages(page_table, rows)  # [pages]
-        replan = (rows, kv_indices, dims.num_heads, dims.kv_lora_rank, causal)
-        if self.replanner is not None and self.replanner(*replan):
+        def replan(replanner: _Replanner) -> bool:
+            spans = _rows(q_lens, kv_lens, page_size, filler, span=page_table.shape[1])
+            return replanner(spans, page_table, dims.num_heads, dims.kv_lora_rank, causal)
+
+        if self.replanner is not None and replan(self.replanner):
             return
+        rows = _rows(q_lens, kv_lens, page_size, filler)
+        kv_indices = _row_pages(page_table, rows)  # [pages]
 
         def plan() -> None:
             metadata = MLAPlanMetadata.csr(qo_indptr=rows.qo_indptr, kv_indptr=rows.kv_indptr,
@@ -303,7 +333,7 @@ class _MLAPlan:
         # being dropped has run (flashinfer copies from its pinned buffer outside torch's knowledge),
         # then this plan again, there.
         torch.cuda.current_stream(self.space.int_workspace.device).synchronize()
-        if self.space.adopt(self.wrapper) and not _Replanner.of(self.wrapper)(*replan):
+        if self.space.adopt(self.wrapper) and not replan(_Replanner.of(self.wrapper)):
             plan()
         self.replanner = _Replanner.of(self.wrapper)  # the backend the last plan left
 
@@ -389,8 +419,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                     plan = self._static_plan(("prefill", *shape), E + 1, E * width + -(-tokens // page_size), width)
                 else:
                     plan = self._eager_prefill_mla
-                plan.plan(_rows(q_lens, seq[:E], page_size, filler), batch.page_table[:E], self.dims, page_size,
-                          True, dtype, dtype)
+                plan.plan(q_lens, seq[:E], filler, batch.page_table[:E], self.dims, page_size, True, dtype, dtype)
                 self._prefill = plan
             else:
                 self._prefill = self._plan_ragged(batch, q_lens)
@@ -401,8 +430,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             rows, q = batch.num_decodes, batch.q_len_per_req
             plan = (self._static_plan(("decode", *shape), rows, rows * width, width) if static
                     else self._eager_decode_mla)
-            plan.plan(_rows([q] * rows, seq[E:], page_size), batch.page_table[E:], self.dims, page_size,
-                      q > 1, dtype, dtype)
+            plan.plan([q] * rows, seq[E:], None, batch.page_table[E:], self.dims, page_size, q > 1, dtype, dtype)
             self._decode = plan
 
     def decode_on_triton(self, rows: int, q_len: int) -> bool:

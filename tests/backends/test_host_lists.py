@@ -72,3 +72,13 @@ def test_flashinfer_filler_row_reads_only_the_dummy_page():
     assert _row_pages(table, rows).tolist() == [1, 5, 6, 7, DUMMY_PAGE, DUMMY_PAGE]
     empty = _rows([1, 3], [5, 130], 64, filler=0)  # a full bucket: the row is there, with nothing to do
     assert empty.qo_indptr.tolist() == [0, 1, 4, 4] and _row_pages(table, empty).tolist() == [1, 5, 6, 7]
+
+
+def test_flashinfer_rows_spanning_the_table_width():
+    """A native re-plan reads the page table as it is: row r's pages start at r·W (W = 4 pages), the
+    filler row's two dummy pages after the table's 2·W entries."""
+    rows = _rows([1, 3], [5, 130], 64, filler=70, span=4)
+    assert rows.qo_indptr.tolist() == [0, 1, 4, 74] and rows.kv_indptr.tolist() == [0, 4, 8, 10]
+    assert rows.kv_len.tolist() == [5, 130, 70] and (rows.table_pages, rows.num_pages) == (8, 10)
+    plain = _rows([4, 4, 4], [1, 64, 65], 64, span=3)
+    assert plain.kv_indptr.tolist() == [0, 3, 6, 9] and (plain.table_pages, plain.num_pages) == (9, 9)
