@@ -126,19 +126,19 @@ def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, filler: int | N
           span: int | None = None) -> _Rows:
     """Built from Python lists (``host_tensor``): it runs before every flashinfer step, and as torch ops
     on small tensors it took ~200 µs at any row count on the CI machine, as lists 15 µs for one row.
-    Its work is per row, never per page: the pages themselves are gathered on the device (``_row_pages``).
+    Its work is per row, never per page: the pages themselves are gathered on the device (``_row_pages``)
+    or copied there as the table holds them (``span``).
     ``filler``: a last row of that many queries over as many keys on the dummy page (module docstring).
     ``span``: each table row's pages start ``span`` entries after the row before's (the page table's
     width, for a native re-plan that reads the table as it is: ``_Replanner``) instead of right after
     its last page (CSR, as ``wrapper.plan`` requires)."""
     dummy = [] if filler is None else [filler]
     kv_lens = kv_lens + dummy
-    pages = [(n + page_size - 1) // page_size for n in kv_lens]
     if span is None:
-        kv_indptr = list(accumulate(pages, initial=0))
-    else:
+        kv_indptr = list(accumulate(((n + page_size - 1) // page_size for n in kv_lens), initial=0))
+    else:  # only the filler row's pages to count
         table_end = len(q_lens) * span
-        kv_indptr = list(range(0, table_end + 1, span)) + [table_end + n for n in pages[len(q_lens):]]
+        kv_indptr = list(range(0, table_end + 1, span)) + [table_end + (n + page_size - 1) // page_size for n in dummy]
     return _Rows(host_tensor(list(accumulate(q_lens + dummy, initial=0)), torch.int32),
                  host_tensor(kv_indptr, torch.int32), host_tensor(kv_lens, torch.int32),
                  kv_indptr[len(q_lens)], kv_indptr[-1], len(dummy))
