@@ -119,6 +119,7 @@ class _Rows:
     kv_len: torch.Tensor  # [R] int32, CPU
     table_pages: int  # kv_indices entries of the rows the page table holds (kv_indptr[R - dummy_rows])
     num_pages: int  # kv_indptr[-1]
+    num_queries: int  # qo_indptr[-1]
     dummy_rows: int = 0
 
 
@@ -139,9 +140,9 @@ def _rows(q_lens: list[int], kv_lens: list[int], page_size: int, filler: int | N
     else:  # only the filler row's pages to count
         table_end = len(q_lens) * span
         kv_indptr = list(range(0, table_end + 1, span)) + [table_end + (n + page_size - 1) // page_size for n in dummy]
-    return _Rows(host_tensor(list(accumulate(q_lens + dummy, initial=0)), torch.int32),
-                 host_tensor(kv_indptr, torch.int32), host_tensor(kv_lens, torch.int32),
-                 kv_indptr[len(q_lens)], kv_indptr[-1], len(dummy))
+    qo_indptr = list(accumulate(q_lens + dummy, initial=0))
+    return _Rows(host_tensor(qo_indptr, torch.int32), host_tensor(kv_indptr, torch.int32),
+                 host_tensor(kv_lens, torch.int32), kv_indptr[len(q_lens)], kv_indptr[-1], qo_indptr[-1], len(dummy))
 
 
 def _row_pages(page_table: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -249,7 +250,7 @@ class _Replanner:
         """Re-plans ``rows`` (laid out with the table's width as their span) over ``page_table`` [R, W], or
         returns False where ``wrapper.plan`` must check the lengths (class docstring)."""
         if causal:
-            packed_per_row = int(rows.qo_indptr[-1]) * num_heads // rows.kv_len.numel()
+            packed_per_row = rows.num_queries * num_heads // rows.kv_len.numel()
             if (128 if packed_per_row > 64 else 64) % num_heads:
                 return False
         layout, staged = self._plan(self._float_workspace, self._int_workspace, self._pinned, rows.qo_indptr,

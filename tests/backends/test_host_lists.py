@@ -79,6 +79,6 @@ def test_flashinfer_rows_spanning_the_table_width():
     filler row's two dummy pages after the table's 2·W entries."""
     rows = _rows([1, 3], [5, 130], 64, filler=70, span=4)
     assert rows.qo_indptr.tolist() == [0, 1, 4, 74] and rows.kv_indptr.tolist() == [0, 4, 8, 10]
-    assert rows.kv_len.tolist() == [5, 130, 70] and (rows.table_pages, rows.num_pages) == (8, 10)
+    assert rows.kv_len.tolist() == [5, 130, 70] and (rows.table_pages, rows.num_pages, rows.num_queries) == (8, 10, 74)
     plain = _rows([4, 4, 4], [1, 64, 65], 64, span=3)
     assert plain.kv_indptr.tolist() == [0, 3, 6, 9] and (plain.table_pages, plain.num_pages) == (9, 9)
