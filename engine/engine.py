@@ -25,6 +25,7 @@ import itertools
 from functools import partial
 import json
 import logging
+import numbers
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ import torch
 from encore.engine.config import EngineConfig
 from encore.graphs.runner import KeyReport
 from encore.engine.detokenizer import IncrementalDetokenizer
-from encore.engine.grammar import Ban, GrammarCompilerPool, RequestGrammar, step_bitmask
+from encore.engine.grammar import Ban, GrammarCompilerPool, GrammarDeadEnd, RequestGrammar, step_bitmask
 from encore.engine.head_graphs import plain_greedy
 from encore.engine.kv_cache import KVCacheManager
 from encore.engine.model_runner import ModelBuilder, ModelRunner
@@ -137,6 +138,10 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
         params.check_vocab(self.model_config.vocab_size)
+        if params.bans_stop_tokens and len(self._stop_tokens(params)) == self.model_config.vocab_size:
+            raise ValueError(f"min_tokens={params.min_tokens} would ban every token: stop_token_ids"
+                             f"{'' if params.ignore_eos else ' and EOS'} cover the whole vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         if params.speculative and self.speculator is None:
             raise ValueError("speculative=True, but this engine runs without speculative decoding "
                              "(start it with speculative={'method': ..., 'num_speculative_tokens': k})")
@@ -164,8 +169,12 @@ class Engine:
             ids = self._encode(prompt)
         else:
             ids = list(prompt)
+            wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if wrong:
+                raise ValueError(f"prompt token ids must be integers, got {wrong[:8]}")
+            ids = [int(t) for t in ids]  # numpy's integers too
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
         if not ids:
@@ -298,9 +307,13 @@ class Engine:
         short = req.num_banned_positions
         if not short:
             return None
-        eos = () if req.params.ignore_eos else self.eos_token_ids
-        tokens = tuple(sorted(t for t in {*eos, *req.params.stop_token_ids} if t < self.model_config.vocab_size))
+        tokens = self._stop_tokens(req.params)
         return (tokens, short) if tokens else None
+
+    def _stop_tokens(self, params: SamplingParams) -> tuple[int, ...]:
+        """The tokens ``min_tokens`` bans: EOS unless ``ignore_eos``, and ``stop_token_ids``."""
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(sorted(t for t in {*eos, *params.stop_token_ids} if t < self.model_config.vocab_size))
 
     def _complete_in_flight(self) -> list[RequestOutput]:
         """With nothing left to launch: the step in flight, read and committed."""
@@ -363,11 +376,16 @@ class Engine:
             new: list[int] = []
             stops = req.detokenizer.stop
             for j, token in enumerate(res.tokens):
+                end = len(req.token_ids) + 1 if slots is None else slots[i] + 1
+                try:
+                    terminated = req.grammar is not None and req.grammar.accept([token])
+                except GrammarDeadEnd as exc:  # its row had every logit masked: the token means nothing
+                    log.warning("request %r: %s; it is aborted", req.request_id, exc)
+                    self._finish(req, "abort", end - 1)
+                    break
                 if slots is None:
                     req.token_ids.append(token)
-                    end = len(req.token_ids)
                 else:
-                    end = slots[i] + 1
                     req.token_ids[end - 1] = token
                     req.num_pending -= 1
                 new.append(token)
@@ -376,7 +394,7 @@ class Engine:
                 stop_string = (req.detokenizer.add([token], end - len(req.prompt_token_ids) > req.params.min_tokens)
                                if stops and token not in eos else None)
                 reason = self._finish_reason(req, token, stop_string, end)
-                if req.grammar is not None and req.grammar.accept([token]) and reason is None:
+                if terminated and reason is None:
                     reason = "stop"  # the grammar has terminated
                 if reason is not None:
                     self._finish(req, reason, end)

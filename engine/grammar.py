@@ -120,12 +120,17 @@ class GrammarCompilerPool:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+class GrammarDeadEnd(Exception):
+    """A request's grammar allows no next token, though it has not terminated."""
+
+
 class RequestGrammar:
     """One constrained request: its compiled grammar (once ready) and matcher."""
 
     def __init__(self, future: Future) -> None:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
+        self.num_accepted = 0  # tokens the matcher has accepted
 
     def ready(self) -> bool:
         if self.matcher is None and self.future.done():
@@ -151,13 +156,25 @@ class RequestGrammar:
         return accepted
 
     def accept(self, tokens: list[int]) -> bool:
-        """Advances over emitted tokens; True when the grammar has terminated."""
+        """Advances over emitted tokens; True when the grammar has terminated. Raises GrammarDeadEnd
+        where the grammar allowed no token at all (its row's logits were all masked)."""
         for t in tokens:
             if self.matcher.is_terminated():
                 break
             if not self.matcher.accept_token(t):
+                if self._dead_end():
+                    raise GrammarDeadEnd(f"the grammar allows no token after {self.num_accepted} tokens "
+                                         "(it matches no text, or nothing that continues this one)")
                 raise RuntimeError(f"token {t} was sampled against the grammar mask")
+            self.num_accepted += 1
         return self.matcher.is_terminated()
+
+    def _dead_end(self) -> bool:
+        """Whether the matcher, not terminated, allows no next token: an empty language (``root ::=
+        root``) or a prefix no token continues (a JSON string whose pattern no text matches)."""
+        bitmask = allocate_bitmask(1, self.future.result().tokenizer_info.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -317,7 +317,9 @@ def truncated_by_sort(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_probs = _softmax(sorted_x.masked_fill(~in_top_k, float("-inf")))  # [N, V]
     mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [N, V] exclusive, monotone
     top_p = top_p[:, None]  # [N, 1]
-    in_top_p = in_top_k & ((mass_before < top_p) | (top_p >= 1.0))  # [N, V] a prefix, never empty
+    # [N, V] a prefix, never empty: the top token is kept even where top_p rounds to 0 in float32
+    # (a top_p below 1.4e-45), as the CUDA threshold search keeps it
+    in_top_p = in_top_k & ((mass_before < top_p) | (top_p >= 1.0) | (mass_before == 0))
     last = sorted_x.gather(1, in_top_p.sum(dim=-1, keepdim=True) - 1)  # [N, 1]
     return x.masked_fill(x < last, float("-inf"))  # ties with the last kept logit are kept
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from encore.engine.grammar import GrammarSpec, grammar_spec
 
 _MAX_LOGPROBS = 20
+# The sampler divides logits by temperature and repetition_penalty in float32: past these bounds a
+# quotient overflows (or the value itself rounds to 0 or inf) and a row's probabilities become NaN,
+# which samples token 0 whatever its grammar or min_tokens mask allows.
+_MIN_DIVISOR, _MAX_DIVISOR = 1e-6, 1e6
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters,
+    ``temperature == 0`` is greedy; a positive one, like ``repetition_penalty``, is in [1e-6, 1e6]
+    (the sampler divides float32 logits by it). ``top_k == 0`` and ``top_p == 1`` disable those filters,
     ``min_p == 0`` disables min-p. Penalties follow vLLM's definitions: ``repetition_penalty``
     divides positive (multiplies negative) logits of every token seen in the prompt or output;
     ``presence_penalty`` / ``frequency_penalty`` subtract from tokens seen in the output.
@@ -60,16 +66,19 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature!r}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.temperature) and (self.temperature == 0.0
+                                                 or _MIN_DIVISOR <= self.temperature <= _MAX_DIVISOR),
+               f"temperature must be 0 (greedy) or in [{_MIN_DIVISOR:g}, {_MAX_DIVISOR:g}], got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
                f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k!r}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and _MIN_DIVISOR <= self.repetition_penalty <= _MAX_DIVISOR,
+               f"repetition_penalty must be in [{_MIN_DIVISOR:g}, {_MAX_DIVISOR:g}] (1 is off), "
+               f"got {self.repetition_penalty!r}")
+        _check(_is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
+        _check(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}")
@@ -114,6 +123,11 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def _is_number(value) -> bool:
+    """A real number (not a bool, nor None or a string, which would fail the range checks' comparisons)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -107,6 +107,22 @@ def test_min_tokens_is_checked():
         SamplingParams(min_tokens=2, regex="[a-z]+")
 
 
+def test_min_tokens_that_would_ban_every_token_is_refused(v3_dir):
+    """Its rows would be all -inf: token 0 drawn from NaN probabilities, a stop token that ends it at once."""
+    engine = Engine(str(v3_dir), device="cpu")
+    vocab = engine.model_config.vocab_size
+    others = [t for t in range(vocab) if t not in engine.eos_token_ids]
+    with pytest.raises(ValueError, match=rf"min_tokens=3 would ban every token: stop_token_ids and EOS cover "
+                                         rf"the whole vocabulary \[0, {vocab}\)"):
+        engine.add_request("all", [5], SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others))
+    with pytest.raises(ValueError, match="min_tokens=3 would ban every token: stop_token_ids cover"):
+        engine.add_request("all", [5], SamplingParams(max_tokens=4, min_tokens=3, ignore_eos=True,
+                                                      stop_token_ids=range(vocab)))
+    params = SamplingParams(max_tokens=4, min_tokens=3, temperature=0.0, stop_token_ids=others[1:])
+    out = engine.generate([[5]], params)[0]  # one token left: it is sampled, and past min_tokens
+    assert len(out.token_ids) >= 3 and not engine.requests
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 2}])

@@ -278,6 +278,11 @@ def test_top_p_boundary_is_reached_not_exceeded():
     _assert_probs(row, SamplingParams(top_p=0.5), np.array([1.0, 0, 0]))
 
 
+def test_top_p_below_float32_keeps_the_top_token():
+    row = np.log([0.5, 0.2, 0.2, 0.1]).tolist()
+    _assert_probs(row, SamplingParams(top_p=1e-50), np.array([1.0, 0, 0, 0]))  # 0 in the float32 column
+
+
 def test_top_p_one_keeps_tiny_tail():
     row = [0.0, -30.0, -float("inf")]  # the tail is below float32 rounding of the cumulative mass
     got = processed_probs(torch.tensor([row]), _build([SamplingParams(top_p=1.0)]))[0]

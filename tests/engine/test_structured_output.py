@@ -194,6 +194,26 @@ def test_invalid_grammars_are_rejected_at_add_request(v3_dir):
     assert not engine.requests and not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("options", [dict(), dict(overlap_schedule=True),
+                                     dict(speculative={"method": "ngram", "num_speculative_tokens": 2})])
+def test_a_grammar_that_allows_no_token_aborts_its_request_alone(v3_dir, options):
+    """An empty language, or a prefix nothing continues, masks every logit of its row: that request
+    ends (abort, without the meaningless token) and the step's other rows are unchanged."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[9, 10, 11], [40, 41]]
+    alone = [o.token_ids for o in Engine(str(v3_dir), device="cpu").generate(prompts, greedy)]
+    engine = Engine(str(v3_dir), device="cpu", **options)
+    dead = [SamplingParams(max_tokens=8, ebnf="root ::= root"),
+            SamplingParams(max_tokens=8, temperature=0.0, regex="a[^\\x00-\\U0010FFFF]"),  # after "a"
+            SamplingParams(max_tokens=8, top_p=0.5, seed=1, regex="[^\\x00-\\U0010FFFF]")]
+    outs = engine.generate(prompts + [[5, 6]] * len(dead), [greedy, greedy] + dead)
+    assert [o.token_ids for o in outs[:2]] == alone
+    assert [o.finish_reason for o in outs[2:]] == ["abort"] * len(dead)
+    assert [o.text for o in outs[2:]] == ["", "a", ""]
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and not engine.requests
+
+
 def test_json_object_produces_json(v3_dir):
     engine = Engine(str(v3_dir), device="cpu")
     outs = engine.generate([[5, 6]] * 8, [SamplingParams(max_tokens=64, seed=i, json_object=True) for i in range(8)])

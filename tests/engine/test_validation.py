@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from encore.engine import Engine, SamplingParams
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("temperature", -0.1, "temperature must be >= 0"),
+    ("temperature", -0.1, r"temperature must be 0 \(greedy\) or in \[1e-06, 1e\+06\]"),
+    # Past these bounds the sampler's float32 division overflows or the value rounds to 0 or inf.
+    ("temperature", 1e-40, r"temperature must be 0 \(greedy\) or in \[1e-06, 1e\+06\], got 1e-40"),
+    ("temperature", float("inf"), r"temperature must be 0 \(greedy\) or in .*got inf"),
+    ("temperature", 1e300, r"temperature must be 0 \(greedy\) or in .*got 1e\+300"),
+    ("temperature", None, r"temperature must be 0 \(greedy\) or in .*got None"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("max_tokens", 0, "max_tokens must be an integer >= 1"),
     ("top_k", -1, r"top_k must be an integer in \[0, 2\*\*31\)"),
     ("top_k", 2**31, r"top_k must be an integer in \[0, 2\*\*31\)"),
     ("min_p", 2.0, r"min_p must be in \[0, 1\]"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be in \[1e-06, 1e\+06\] \(1 is off\), got 0.0"),
+    ("repetition_penalty", 1e-300, r"repetition_penalty must be in \[1e-06, 1e\+06\]"),
+    ("repetition_penalty", float("inf"), r"repetition_penalty must be in \[1e-06, 1e\+06\]"),
+    ("top_p", "0.5", r"top_p must be in \(0, 1\], got '0.5'"),
     ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\]"),
     ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\]"),
     ("seed", -1, "seed must be an integer"),
@@ -51,6 +60,17 @@ def test_bad_requests_are_rejected_and_others_keep_running(engine):
     assert [o.request_id for o in outs if o.finished] == ["good"]
     assert outs[-1].token_ids == engine.generate([[5, 6, 7]], params)[0].token_ids
     assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_prompt_ids_must_be_integers_and_numpys_are(engine):
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers, got \['5', 6.0\]"):
+        engine.add_request("str", ["5", 6.0, 7], params)
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers, got \[True\]"):
+        engine.add_request("bool", [5, True], params)
+    want = engine.generate([[5, 6, 7]], params)[0].token_ids
+    assert engine.generate([np.array([5, 6, 7])], params)[0].token_ids == want
+    assert not engine.requests
 
 
 def test_generate_with_one_bad_prompt_leaves_nothing_behind(engine):

@@ -37,7 +37,7 @@ def test_generate_prints_the_engines_continuation(v3_dir, reference, capsys):
     (["serve", "--model", "m", "--shutdown-grace", "-1"], "shutdown_grace_s must be >= 0"),
     (["serve", "--model", "m", "--max-queued-requests", "-1"], "max_queued_requests must be an integer >= 0"),
     (["serve", "--model", "m", "--listeners", "0"], "listeners must be an integer in [1, 256], got 0"),
-    (["generate", "--model", "m", "--temperature", "-1", "hi"], "temperature must be >= 0"),
+    (["generate", "--model", "m", "--temperature", "-1", "hi"], "temperature must be 0 (greedy) or in [1e-06, 1e+06]"),
 ])
 def test_bad_options_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2

@@ -74,6 +74,8 @@ def test_long_text_is_tokenized_on_the_worker_like_the_engine_does(parser, refer
 @pytest.mark.parametrize(("options", "field"), [
     (dict(temperature=-1.0), "sampling.temperature"),
     (dict(temperature=float("nan")), "sampling.temperature"),
+    (dict(temperature=1e300), "sampling.temperature"),  # finite, but inf in the sampler's float32
+    (dict(repetition_penalty=1e-300), "sampling.repetition_penalty"),  # 0 in float32
     (dict(top_p=0.0), "sampling.top_p"),
     (dict(top_p=float("inf")), "sampling.top_p"),
     (dict(min_p=1.5), "sampling.min_p"),
