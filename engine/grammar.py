@@ -130,7 +130,6 @@ class RequestGrammar:
     def __init__(self, future: Future) -> None:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
-        self.num_accepted = 0  # tokens the matcher has accepted
 
     def ready(self) -> bool:
         if self.matcher is None and self.future.done():
@@ -163,10 +162,9 @@ class RequestGrammar:
                 break
             if not self.matcher.accept_token(t):
                 if self._dead_end():
-                    raise GrammarDeadEnd(f"the grammar allows no token after {self.num_accepted} tokens "
-                                         "(it matches no text, or nothing that continues this one)")
+                    raise GrammarDeadEnd("the grammar allows no next token (it matches no text, or nothing "
+                                         "that continues this one)")
                 raise RuntimeError(f"token {t} was sampled against the grammar mask")
-            self.num_accepted += 1
         return self.matcher.is_terminated()
 
     def _dead_end(self) -> bool:
