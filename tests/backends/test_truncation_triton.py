@@ -65,6 +65,16 @@ def test_minus_inf_logits_take_no_part():
 
 
 @in_process
+def test_top_p_below_float32_keeps_the_top_tokens():
+    """A top_p that rounds to 0 in float32 (1e-50), and the least positive one: the top token and its
+    ties are kept, as the sort keeps them."""
+    x = logits(3, 3000, seed=3, scale=2.0).round()
+    got, want = kept(x, [0, 0, 5], [1e-50, 1e-45, 1e-50])
+    assert torch.equal(got, want)
+    assert ((got > float("-inf")).sum(-1) == (x == x.max(-1, keepdim=True).values).sum(-1)).all()
+
+
+@in_process
 def test_flat_rows_keep_every_token():
     got, want = kept(torch.zeros(3, 1500, device=DEVICE), [0, 10, 1], [0.5, 0.9, 1.0])
     assert torch.equal(got, want) and (got == 0).all()
