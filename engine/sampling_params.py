@@ -64,13 +64,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and (self.temperature == 0.0
                                                  or _MIN_DIVISOR <= self.temperature <= _MAX_DIVISOR),
                f"temperature must be 0 (greedy) or in [{_MIN_DIVISOR:g}, {_MAX_DIVISOR:g}], got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
+        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**31,
                f"top_k must be an integer in [0, 2**31) (0 disables it), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(_is_number(self.repetition_penalty) and _MIN_DIVISOR <= self.repetition_penalty <= _MAX_DIVISOR,
@@ -80,21 +80,23 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         _check(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check(isinstance(self.json_object, bool), f"json_object must be True or False, got {self.json_object!r}")
         grammar_spec(self.json_schema, self.regex, self.ebnf, self.json_object)
         _check(self.speculative is None or isinstance(self.speculative, bool),
                f"speculative must be True, False or None, got {self.speculative!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(not self.min_tokens or self.grammar is None,
                f"min_tokens={self.min_tokens} cannot be combined with structured output: its grammar may "
                "allow nothing but a stop token")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
     @property
@@ -123,6 +125,11 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def _is_int(value) -> bool:
+    """An integer, not a bool (``True`` would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

@@ -30,6 +30,15 @@ from encore.engine import Engine, SamplingParams
     ("seed", -1, "seed must be an integer"),
     ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
     ("stop", [""], "stop must be non-empty strings"),
+    # bools are ints in Python: True would pass as 1
+    ("max_tokens", True, "max_tokens must be an integer >= 1, got True"),
+    ("top_k", True, r"top_k must be an integer .*got True"),
+    ("seed", False, "seed must be an integer .*got False"),
+    ("logprobs", True, r"logprobs must be an integer .*got True"),
+    ("min_tokens", True, r"min_tokens must be an integer .*got True"),
+    ("stop_token_ids", [True], r"stop_token_ids must be non-negative integers, got \(True,\)"),
+    ("ignore_eos", 1, "ignore_eos must be True or False, got 1"),
+    ("json_object", "yes", "json_object must be True or False, got 'yes'"),
 ])
 def test_sampling_params_reject_out_of_range_values(field, value, match):
     with pytest.raises(ValueError, match=match):
