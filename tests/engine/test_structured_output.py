@@ -175,14 +175,22 @@ def test_every_output_obeys_its_grammar(workload, v3_dir, mtp_dir):
         assert stats["spec_draft_tokens"] > 0
 
 
-def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(v3_dir):
+NEIGHBOURS = [[9, 10, 11], [40, 41]]  # unconstrained prompts sharing steps with constrained rows
+
+
+@pytest.fixture(scope="module")
+def neighbours_alone(v3_dir) -> list[list[int]]:
+    """NEIGHBOURS' 16 greedy tokens each, with no other row in the engine."""
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = [[9, 10, 11], [40, 41]]
-    alone = [o.token_ids for o in Engine(str(v3_dir), device="cpu").generate(prompts, greedy)]
+    return [o.token_ids for o in Engine(str(v3_dir), device="cpu").generate(NEIGHBOURS, greedy)]
+
+
+def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(v3_dir, neighbours_alone):
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     engine = Engine(str(v3_dir), device="cpu")
-    mixed = engine.generate(prompts + [[5, 6]] * 4, [greedy, greedy] + [SamplingParams(max_tokens=16, **s)
-                                                                        for s in constraints(1)[::30]])
-    assert [o.token_ids for o in mixed[:2]] == alone
+    mixed = engine.generate(NEIGHBOURS + [[5, 6]] * 4, [greedy, greedy] + [SamplingParams(max_tokens=16, **s)
+                                                                            for s in constraints(1)[::30]])
+    assert [o.token_ids for o in mixed[:2]] == neighbours_alone
 
 
 def test_invalid_grammars_are_rejected_at_add_request(v3_dir):
@@ -196,18 +204,16 @@ def test_invalid_grammars_are_rejected_at_add_request(v3_dir):
 
 @pytest.mark.parametrize("options", [dict(), dict(overlap_schedule=True),
                                      dict(speculative={"method": "ngram", "num_speculative_tokens": 2})])
-def test_a_grammar_that_allows_no_token_aborts_its_request_alone(v3_dir, options):
+def test_a_grammar_that_allows_no_token_aborts_its_request_alone(v3_dir, neighbours_alone, options):
     """An empty language, or a prefix nothing continues, masks every logit of its row: that request
     ends (abort, without the meaningless token) and the step's other rows are unchanged."""
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = [[9, 10, 11], [40, 41]]
-    alone = [o.token_ids for o in Engine(str(v3_dir), device="cpu").generate(prompts, greedy)]
     engine = Engine(str(v3_dir), device="cpu", **options)
     dead = [SamplingParams(max_tokens=8, ebnf="root ::= root"),
             SamplingParams(max_tokens=8, temperature=0.0, regex="a[^\\x00-\\U0010FFFF]"),  # after "a"
             SamplingParams(max_tokens=8, top_p=0.5, seed=1, regex="[^\\x00-\\U0010FFFF]")]
-    outs = engine.generate(prompts + [[5, 6]] * len(dead), [greedy, greedy] + dead)
-    assert [o.token_ids for o in outs[:2]] == alone
+    outs = engine.generate(NEIGHBOURS + [[5, 6]] * len(dead), [greedy, greedy] + dead)
+    assert [o.token_ids for o in outs[:2]] == [t[:8] for t in neighbours_alone]
     assert [o.finish_reason for o in outs[2:]] == ["abort"] * len(dead)
     assert [o.text for o in outs[2:]] == ["", "a", ""]
     stats = engine.stats()
