@@ -9,6 +9,9 @@ copies as possible (``upload``). Pinned staging does not make them cheaper throu
 from its caching host allocator (an allocation and a recorded event per copy) made a bs-1 step of
 encore-tiny ~100 µs slower (session 16, benchmarks/README.md), and a pageable source is free again as
 soon as the copy call returns.
+
+The other way, ``Readback`` copies device tensors to the host behind the work already queued and reads
+them once they have landed, so that the host can queue more work first.
 """
 
 from __future__ import annotations
@@ -76,3 +79,23 @@ def _copy(host: torch.Tensor, device: torch.device, stream: torch.cuda.Stream | 
     on_device.record_stream(consumer)  # its memory is not handed out again before the consumer is done
     consumer.wait_stream(stream)
     return on_device
+
+
+class Readback:
+    """Device tensors (None allowed) read to the host as lists. ``behind`` (CUDA): each is copied on the
+    current stream behind the work queued there and read once an event says it has landed, so that the
+    host can launch more before ``lists`` waits (the device runs that while the host waits); otherwise
+    read at once by ``lists``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None], behind: bool = False) -> None:
+        self.event = None
+        if behind and tensors[0].is_cuda:
+            tensors = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def lists(self) -> list[list | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [t.tolist() if t is not None else None for t in self.tensors]

@@ -58,13 +58,14 @@ class StepShape:
 
 @dataclass(frozen=True, slots=True)
 class PendingInputs:
-    """Decode tokens of a step whose ids the step before it sampled and left on the device (overlapped
-    steps, engine/engine.py): token ``tokens[i]`` of the step is ``source[rows[i]]``. The host lists hold
-    a placeholder there; ``write`` puts the ids in on the device, in stream order after that step."""
+    """Decode tokens of a step whose ids the step before it left on the device — its sampled ids
+    (overlapped steps, engine/engine.py) or its drafts (engine/spec/speculator.py): token ``tokens[i]``
+    of the step is ``source[rows[i]]``. The host lists hold a placeholder there; ``write`` puts the ids
+    in on the device, in stream order after that step."""
 
     tokens: list[int]  # indices in the unpadded step, increasing
-    source: torch.Tensor  # [N] int64, the sampled ids of the step before (one per logits row)
-    rows: list[int]  # logits rows of ``source``
+    source: torch.Tensor  # [N] int64: the sampled ids of the step before (one per logits row), or its drafts
+    rows: list[int]  # indices into ``source``
 
     def write(self, input_ids: torch.Tensor, offset: int = 0) -> None:
         """Writes the ids into ``input_ids`` at ``tokens`` + ``offset`` (a padded step's decode tokens

@@ -55,6 +55,7 @@ PHASES = [
     (torch.Tensor, "copy_", "Tensor.copy_ (host-to-device in steps)"),
     (torch.Tensor, "to", "Tensor.to (host-to-device in steps)"),
     (torch.Tensor, "tolist", "read-back (waits for the GPU)"),
+    (torch.cuda.Event, "synchronize", "read-back behind the launches (waits for its event)"),
     (engine_module.Engine, "_commit", "commit"),
 ]
 

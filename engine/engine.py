@@ -14,9 +14,12 @@ and the mask and counts are built while the device runs it (a row short of its `
 stop tokens are masked, goes the same way). A step that completed prompts without
 a graph replay (a burst of long prompts, whose steps take long to launch on the host) is read and
 returned before the next step is scheduled, so its first tokens do not wait for the next launch.
-Speculative decoding does not overlap. What a step launched on a guess costs: a row that ends at its
-pending token (EOS, a stop string) runs one more step whose output is dropped; a row that ends by
-length is known to end and gets no next step. Tokens are the same as without overlap (CPU and GPU tests).
+What a step launched on a guess costs: a row that ends at its pending token (EOS, a stop string) runs
+one more step whose output is dropped; a row that ends by length is known to end and gets no next
+step. Tokens are the same as without overlap (CPU and GPU tests). Speculative steps are not launched
+on a guess (the next step's rows depend on each row's accepted count), but they overlap in part: the
+host reads a step's verdict before its drafts are made, and commits it and builds the next step while
+the device drafts (engine/spec/speculator.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from encore.backends.host_tensors import Readback
 from encore.engine.config import EngineConfig
 from encore.graphs.runner import KeyReport
 from encore.engine.detokenizer import IncrementalDetokenizer
@@ -247,11 +251,15 @@ class Engine:
 
     def _speculative_step(self, step: ScheduledStep) -> list[RequestOutput]:
         spec = self.speculator
-        spec.prepare(step)
-        batch, sampled = build_forward_batch(step, self.kv, self.runner.device, stream=self.runner.upload_stream)
+        drafts = spec.prepare(step)
+        batch, sampled = build_forward_batch(step, self.kv, self.runner.device, stream=self.runner.upload_stream,
+                                             drafts=drafts)
         self._steps[batch.mode.value] += 1
         groups = [(r.grammar, [], self._ban(r)) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
-        groups += [(r.grammar, r.draft_token_ids, self._ban(r)) for r in step.decodes]
+        # A verify row's mask rows: one, then one a draft; only a grammar reads the drafts themselves (a
+        # row whose drafts are still on the device has none on the host: spec.prepare).
+        groups += [(r.grammar, r.draft_token_ids if r.grammar is not None else [0] * spec.k, self._ban(r))
+                   for r in step.decodes]
         # The mask is built on the host while the device runs the forward.
         results = spec.run(step, batch, sampled, partial(step_bitmask, groups, self.model_config.vocab_size))
         for req, n in step.extends:
@@ -299,7 +307,7 @@ class Engine:
             self._overlapped += 1
             settle()
             return settled
-        return self._commit(self._row_results(sampled, _HostCopy(out)))
+        return self._commit(self._row_results(sampled, _read_back(out)))
 
     def _ban(self, req: Request) -> Ban | None:
         """While ``req`` is short of its ``min_tokens``: its stop tokens (EOS unless ``ignore_eos``, and
@@ -346,16 +354,16 @@ class Engine:
             req.num_pending += 1
             req.pending_row = row
             req.final_pending = self._ends_by_length(req, len(req.token_ids))
-        return _InFlight(step, sampled, slots, out.token_ids, _HostCopy(out, behind=True), self.runner.replayed)
+        return _InFlight(step, sampled, slots, out.token_ids, _read_back(out, behind=True), self.runner.replayed)
 
-    def _row_results(self, sampled: list[Request], host: _HostCopy) -> list[RowResult]:
-        token_ids, logprobs = host.lists()
+    def _row_results(self, sampled: list[Request], host: Readback) -> list[RowResult]:
+        token_ids, logprobs, top_ids, top_logprobs = host.lists()
         results = []
         for row, (req, token) in enumerate(zip(sampled, token_ids)):
             lp = None
             if req.params.logprobs is not None:
                 n = req.params.logprobs
-                lp = [TokenLogprob(token, logprobs[0][row], list(zip(logprobs[1][row][:n], logprobs[2][row][:n])))]
+                lp = [TokenLogprob(token, logprobs[row], list(zip(top_ids[row][:n], top_logprobs[row][:n])))]
             results.append(RowResult(req, [token], lp, None))
         return results
 
@@ -498,28 +506,9 @@ class Engine:
         }
 
 
-class _HostCopy:
-    """A step's sampled ids (and logprobs) for the host. ``behind``: copied on the device's stream
-    behind the step, read once an event says they have landed, so nothing waits for the device until
-    then (overlapped steps); otherwise read at once."""
-
-    def __init__(self, out: SamplerOutput, behind: bool = False) -> None:
-        tensors = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-        self.event = None
-        if behind and out.token_ids.is_cuda:
-            tensors = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in tensors)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        self.tensors = tensors
-
-    def lists(self) -> tuple[list[int], tuple[list, list, list] | None]:
-        """(token ids, (logprobs, top ids, top logprobs) or None), as lists per logits row."""
-        if self.event is not None:
-            self.event.synchronize()
-        token_ids, logprobs, top_ids, top_logprobs = self.tensors
-        if logprobs is None:
-            return token_ids.tolist(), None
-        return token_ids.tolist(), (logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist())
+def _read_back(out: SamplerOutput, behind: bool = False) -> Readback:
+    """A step's sampled ids and logprobs for the host (``behind``: overlapped steps, module docstring)."""
+    return Readback((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs), behind)
 
 
 @dataclass(slots=True)
@@ -530,7 +519,7 @@ class _InFlight:
     sampled: list[Request]  # per logits row
     slots: list[int]  # per logits row: where its placeholder sits in the request's token_ids
     token_ids: torch.Tensor  # [N] on the device: what the next step's decode rows read
-    host: _HostCopy
+    host: Readback
     replayed: bool  # its forward replayed a CUDA graph
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -14,16 +15,26 @@ from encore.engine.sampler import SamplingTensors, needs_token_history
 from encore.engine.scheduler import ScheduledStep
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceDrafts:
+    """Drafts a model drafter left on the device for the next step's verify rows: request ``id``'s k
+    drafts are row ``rows[id]`` of ``drafts`` (engine/spec/speculator.py)."""
+
+    drafts: torch.Tensor  # [D, k] int64
+    rows: dict[str, int]
+
+
 def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.device,
-                        in_flight: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None
-                        ) -> tuple[ForwardBatch, list[Request]]:
+                        in_flight: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None,
+                        drafts: DeviceDrafts | None = None) -> tuple[ForwardBatch, list[Request]]:
     """Returns the batch and, per logits row, the request it samples for; ``stream``: where its upload
     runs (``pack_batch``).
 
     Prefill rows produce a logits row only when the chunk completes the request's pending tokens;
     decode rows feed their last token plus ``q_len_per_req - 1`` draft tokens and produce a logits
     row per token. A decode row whose last token the step in flight sampled (``Request.num_pending``)
-    feeds it from ``in_flight``, that step's sampled ids on the device (``ForwardBatch.pending``).
+    feeds it from ``in_flight``, that step's sampled ids on the device; a verify row named in
+    ``drafts`` feeds its drafts from there (either way ``ForwardBatch.pending``).
     """
     page_size = kv.page_size
     q = step.q_len_per_req
@@ -62,7 +73,15 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
                                    f"({req.num_pending} pending, q_len_per_req {q})")
             pending_tokens.append(len(input_ids))
             pending_rows.append(req.pending_row)
-        fed = req.token_ids[start:start + 1] + req.draft_token_ids[:q - 1] if q > 1 else req.token_ids[start:start + 1]
+        if drafts is not None and req.request_id in drafts.rows:
+            at = drafts.rows[req.request_id] * (q - 1)
+            pending_tokens += range(len(input_ids) + 1, len(input_ids) + q)
+            pending_rows += range(at, at + q - 1)
+            fed = req.token_ids[start:start + 1] + [0] * (q - 1)
+        elif q > 1:
+            fed = req.token_ids[start:start + 1] + req.draft_token_ids[:q - 1]
+        else:
+            fed = req.token_ids[start:start + 1]
         if len(fed) != q:
             raise ValueError(f"decode row {req.request_id!r} has {len(fed) - 1} draft tokens; "
                              f"q_len_per_req {q} needs {q - 1}")
@@ -83,7 +102,8 @@ def build_forward_batch(step: ScheduledStep, kv: KVCacheManager, device: torch.d
     batch = pack_batch(len(step.extends), step.q_len_per_req, page_size, input_ids, positions, slots, seq_lens,
                        prefix_lens, qo_indptr, tables, gather_ids, device, stream)
     if pending_tokens:
-        batch.pending = PendingInputs(pending_tokens, in_flight, pending_rows)
+        batch.pending = PendingInputs(pending_tokens, in_flight if in_flight is not None else drafts.drafts.reshape(-1),
+                                      pending_rows)
     return batch, sampled
 
 

@@ -23,9 +23,15 @@ the drafter's argmax. A step with a sampling row draws its drafts from the draft
 distributions and keeps them for the next step's verification. A DECODE step that replayed the
 target's graph and has no penalties, logprobs, grammar or opted-out rows verifies in one replay of
 that key's greedy or stochastic head graph (engine/head_graphs.py); any step that replayed a key
-drafts in one replay of the drafter's graph for it, greedy or stochastic (draft_graphs.py). Everything
-the host needs from a step comes back in one device-to-host copy (logprobs, when asked for, in two
-more).
+drafts in one replay of the drafter's graph for it, greedy or stochastic (draft_graphs.py).
+
+The verdict (each row's accepted count and tokens) comes back in one device-to-host copy, issued before
+the draft is launched, so the host commits the step and builds the next while the device drafts. A
+model drafter's drafts stay on the device and feed the next step's verify rows from there
+(``build_forward_batch``'s ``drafts``), unless the host needs them first (``prepare``: a grammar's mask
+or penalties read them, or a drafting row is missing from the next step); those steps wait for the
+draft, counted in ``drafts_read_back``. Logprobs, when asked for, come back in two more copies, after
+the draft.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from encore.backends.argmax import argmax_rows
-from encore.backends.host_tensors import upload
+from encore.backends.host_tensors import Readback, upload
 from encore.backends.metadata import ForwardBatch, ForwardMode
 from encore.engine.head_graphs import plain_rows
 from encore.engine.kv_cache import DUMMY_PAGE
@@ -49,6 +55,7 @@ from encore.engine.spec.draft_graphs import DraftGraphs
 from encore.engine.spec.drafters import model_drafter
 from encore.engine.spec.ngram import NgramDrafter
 from encore.engine.spec.replay import ReplayDrafter
+from encore.engine.step import DeviceDrafts
 from encore.graphs.compiler import CompiledDrafter
 
 
@@ -76,6 +83,8 @@ class Speculator:
         self.lookahead = self.k - 1 if self.model_drafter is not None else 0
         self._offsets = torch.arange(1, self.k + 1, device=runner.device)[:, None]  # [k, 1]: draft steps ahead
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of a stochastic model draft
+        self._last_drafts: _Drafted | None = None  # the last step's model drafts, on the device
+        self.drafts_read_back = 0  # steps that read a model draft to the host before launching (prepare)
         self.drafted = 0
         self.accepted = 0
         self.verify_rows = 0
@@ -100,18 +109,32 @@ class Speculator:
     def q_len(self) -> int:
         return 1 + self.k
 
-    def prepare(self, step: ScheduledStep) -> None:
-        """Host drafters propose for this step's verify rows; a row a model drafter has not drafted
-        for (it cannot happen in steady state) repeats its last token, which is simply rejected. A
-        request that opted out (``SamplingParams.speculative=False``) keeps the verify row's shape with
-        placeholder drafts that ``run`` caps at zero accepted."""
+    def prepare(self, step: ScheduledStep) -> DeviceDrafts | None:
+        """Drafts for this step's verify rows: a model drafter's, made by the step before, stay on the
+        device and are returned for ``build_forward_batch`` to feed, unless a grammar's mask or
+        penalties in this step read drafts or a drafting row is not in it (then every drafting row's
+        are read to the host, waiting for the draft); host drafters propose here. A row no drafter has
+        drafted for (it cannot happen in steady state) repeats its last token, which is simply
+        rejected. A request that opted out (``SamplingParams.speculative=False``) keeps the verify
+        row's shape with placeholder drafts that ``run`` caps at zero accepted."""
+        drafted, self._last_drafts = self._last_drafts, None
+        if drafted is not None and _drafts_on_host(step, drafted):
+            for req, drafts in zip(drafted.requests, drafted.drafts.tolist()):
+                req.draft_token_ids = drafts
+            self.drafts_read_back += 1
+            drafted = None
+        on_device: dict[str, int] = {}
         for req in step.decodes:
             if req.params.speculative is False:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
             elif self.host_drafter is not None:
                 req.draft_token_ids = self.host_drafter.propose(req)
+            elif drafted is not None and req.request_id in drafted.rows:
+                on_device[req.request_id] = drafted.rows[req.request_id]
+                req.draft_token_ids = []  # a later step without them falls back to the placeholder
             elif len(req.draft_token_ids) != self.k:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
+        return DeviceDrafts(drafted.drafts, on_device) if on_device else None
 
     def forget(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
@@ -123,8 +146,6 @@ class Speculator:
         device = runner.device
         n_plain = len(sampled) - len(step.decodes) * q_len
         rows = len(step.decodes)
-        # Each verify row was fed its last token and its k drafts: the drafts are already on the device.
-        drafts = batch.input_ids[batch.num_extend_tokens:].view(rows, q_len)[:, 1:]  # [B, k]
         counted = [0 if r.params.speculative is False else k for r in step.decodes]
         # How many drafts each row may accept, uploaded only when a row opted out.
         caps = upload([(counted, torch.long)], device)[0] if 0 in counted else None
@@ -133,11 +154,15 @@ class Speculator:
         hidden = runner.forward(batch)  # [T, hidden]
         logits = None
         if self._verified_in_head(batch, sampled, caps, greedy, step.decodes):
-            plain_tokens = drafts.new_zeros(0)
+            plain_tokens = batch.input_ids.new_zeros(0)
             spec = Verdict(runner.heads.accepted[:rows], runner.heads.tokens[:rows * q_len].view(rows, q_len))
         else:
             if rows:
                 self.verify_eager_steps += 1
+            # Each verify row was fed its last token and its k drafts (those left on the device by the
+            # step before are written into the unpadded ids here; a replay wrote them into its own).
+            batch.resolve_pending()
+            drafts = batch.input_ids[batch.num_extend_tokens:].view(rows, q_len)[:, 1:]  # [B, k]
             logits = runner.model.compute_logits(hidden[batch.gather_ids])  # [N, V]
             runner.apply_masks(logits, masks)
             if greedy:
@@ -152,19 +177,20 @@ class Speculator:
                 spec = verify(probs[n_plain:].view(rows, q_len, probs.shape[-1]), drafts,
                               self._draft_q(step.decodes, drafts), t.seeds[n_plain::q_len],
                               t.counters[n_plain::q_len], caps)
-        drafting, new_drafts = (self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec,
-                                                  in_buffers=logits is None)
-                                if self.model_drafter is not None else ([], None))
-        # One device-to-host copy for everything the host needs from this step (logprobs, when asked
-        # for, make their own).
-        parts = [plain_tokens, spec.num_accepted, spec.tokens.flatten()]
-        if new_drafts is not None:
-            parts.append(new_drafts.flatten())
-        host = torch.cat(parts).tolist()
+        # The verdict in one device-to-host copy, queued before the draft: read while the device drafts.
+        verdict = Readback([torch.cat([plain_tokens, spec.num_accepted, spec.tokens.flatten()])], behind=True)
+        if self.model_drafter is not None:
+            drafting, drafts = self._model_draft(step, batch, sampled[:n_plain], hidden, plain_tokens, spec,
+                                                 in_buffers=logits is None)
+            if drafting:
+                # A copy: a draft graph's output lies in the graphs' memory pool, which the next step's
+                # target replay may write over (draft_graphs.py captures after the target's graphs).
+                self._last_drafts = _Drafted(drafts.clone(), drafting,
+                                             {req.request_id: i for i, req in enumerate(drafting)})
+        host = verdict.lists()[0]
         plain_host, host = host[:n_plain], host[n_plain:]
         accepted, host = host[:rows], host[rows:]
         spec_tokens = [host[b * q_len:(b + 1) * q_len] for b in range(rows)]
-        draft_host = host[rows * q_len:]
         results = [RowResult(req, [plain_host[i]], None, None) for i, req in enumerate(sampled[:n_plain])]
         for b, req in enumerate(step.decodes):
             a = accepted[b]
@@ -178,8 +204,6 @@ class Speculator:
             firsts = list(range(n_plain)) + [n_plain + b * q_len for b in range(rows)]
             _read_logprobs(logits, [(res, range(first, first + len(res.tokens)))
                                     for res, first in zip(results, firsts)])
-        for i, req in enumerate(drafting):
-            req.draft_token_ids = draft_host[i * k:(i + 1) * k]
         return results
 
     def _verified_in_head(self, batch: ForwardBatch, sampled: list[Request], caps: torch.Tensor | None,
@@ -352,11 +376,32 @@ class Speculator:
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "spec_mean_accepted_length": 1 + self.accepted / self.verify_rows if self.verify_rows else 0.0,
             "drafter_eager_steps": self.drafter_eager_steps,
+            "drafts_read_back": self.drafts_read_back,
             "verify_eager_steps": self.verify_eager_steps,
             "drafter_graph_replays": self.draft_graphs.replays if self.draft_graphs is not None else 0,
             "drafter_compiles": self.compiled_drafter.record.compiles if self.compiled_drafter is not None else 0,
             "drafter_loaded": self.compiled_drafter is not None and self.compiled_drafter.record.loaded,
         }
+
+
+@dataclass(slots=True)
+class _Drafted:
+    """A step's model drafts, left on the device for the next step (``Speculator.prepare``)."""
+
+    drafts: torch.Tensor  # [D, k], row i the drafts of requests[i]
+    requests: list[Request]  # the drafting rows
+    rows: dict[str, int]  # request id -> its row
+
+
+def _drafts_on_host(step: ScheduledStep, drafted: _Drafted) -> bool:
+    """Whether ``step`` needs the drafts of ``drafted`` on the host: a verify row's grammar mask or
+    penalties read its drafts, or a drafting row that has not finished is not one of its verify rows
+    (its drafts must outlive the buffer that holds them)."""
+    scheduled = {req.request_id for req in step.decodes}
+    if any(not req.finished and req.request_id not in scheduled for req in drafted.requests):
+        return True
+    return (any(req.grammar is not None for req in step.decodes)
+            or needs_token_history([req.params for req in step.decodes] + [req.params for req, _ in step.extends]))
 
 
 def _read_logprobs(logits: torch.Tensor, rows: list[tuple[RowResult, range]]) -> None:

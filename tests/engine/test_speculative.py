@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from checkpoints import write_eagle3_checkpoint, write_mtp_checkpoint
 from encore.engine import Engine, SamplingParams
+from encore.engine.spec import speculator
 from test_kv_cache import run_ops
 from workloads import run_staggered
 
@@ -85,6 +86,8 @@ def test_speculation_with_penalties_is_token_identical(method):
     got = run_staggered(spec, PROMPTS, params, arrivals)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
     assert spec.stats()["spec_accepted_tokens"] > 0
+    if method == "mtp":  # penalties read each verify row's drafts on the host
+        assert spec.stats()["drafts_read_back"] > 0
     # The penalties change the tokens (so the comparison above tests them).
     plain = run_staggered(Engine(device="cpu", page_size=4), PROMPTS, params[2], arrivals)
     assert any(plain[r].token_ids != want[r].token_ids for r in ("r0", "r1", "r3"))
@@ -114,6 +117,39 @@ def test_mtp_drafts_are_mostly_accepted_on_the_trained_model(reference):
     assert stats["spec_acceptance_rate"] > 0.5, stats
     assert stats["spec_mean_accepted_length"] == pytest.approx(1 + stats["spec_accepted_tokens"] / (
         stats["spec_draft_tokens"] / 2))
+
+
+def _mtp_run(arrivals, params, **options) -> tuple[dict, dict]:
+    """A run of the MTP drafter (k = 2) on encore-tiny: the outputs and the engine's stats."""
+    engine = Engine(device="cpu", page_size=4, speculative={"method": "mtp", "num_speculative_tokens": 2}, **options)
+    return run_staggered(engine, PROMPTS, params, arrivals), engine.stats()
+
+
+def test_drafts_fed_from_the_device_are_the_drafts_read_back(monkeypatch):
+    """A model drafter's drafts stay on the device and feed the next step's verify rows; a run that
+    reads every step's drafts to the host first (the rule replaced) must accept the same drafts, token
+    for token and count for count, greedy and seeded sampled rows alike. Garbage fed from the device
+    would only be rejected (the tokens would still match): the accepted counts tell."""
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    params = [GREEDY, sampled, GREEDY, sampled]
+    arrivals, options = WORKLOADS["mixed"]["arrivals"], WORKLOADS["mixed"]["options"]
+    on_device, device_stats = _mtp_run(arrivals, params, **options)
+    monkeypatch.setattr(speculator, "_drafts_on_host", lambda step, drafted: True)
+    on_host, host_stats = _mtp_run(arrivals, params, **options)
+    assert device_stats["drafts_read_back"] == 0, device_stats
+    assert host_stats["drafts_read_back"] > 0, host_stats
+    assert {r: (o.token_ids, o.num_accepted_tokens) for r, o in on_device.items()} == {
+        r: (o.token_ids, o.num_accepted_tokens) for r, o in on_host.items()}
+    assert device_stats["spec_acceptance_rate"] > 0.3, device_stats  # many drafts accepted: the counts tell
+
+
+def test_a_drafting_row_left_out_of_the_next_step_reads_its_drafts(reference):
+    """With too few pages for every row, rows are preempted after they drafted: the step that leaves
+    them out reads the drafts to the host (they must outlive the buffer that holds them), and every
+    row's tokens are still plain greedy decoding's."""
+    done, stats = _mtp_run([0, 0, 0, 0], GREEDY, num_kv_pages=17, max_num_seqs=4)
+    assert stats["preemptions"] > 0 and stats["drafts_read_back"] > 0, stats
+    assert {r: o.token_ids for r, o in done.items()} == {r: reference[r][:GREEDY.max_tokens] for r in done}
 
 
 @pytest.mark.parametrize("error_rate,expect", [(0.0, "all"), (0.3, "some"), (1.0, "none")])
