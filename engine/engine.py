@@ -25,7 +25,6 @@ the device drafts (engine/spec/speculator.py).
 from __future__ import annotations
 
 import itertools
-from functools import partial
 import json
 import logging
 import numbers
@@ -255,13 +254,16 @@ class Engine:
         batch, sampled = build_forward_batch(step, self.kv, self.runner.device, stream=self.runner.upload_stream,
                                              drafts=drafts)
         self._steps[batch.mode.value] += 1
-        groups = [(r.grammar, [], self._ban(r)) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
-        # A verify row's mask rows: one, then one a draft; only a grammar reads the drafts themselves (a
-        # row whose drafts are still on the device has none on the host: spec.prepare).
-        groups += [(r.grammar, r.draft_token_ids if r.grammar is not None else [0] * spec.k, self._ban(r))
-                   for r in step.decodes]
-        # The mask is built on the host while the device runs the forward.
-        results = spec.run(step, batch, sampled, partial(step_bitmask, groups, self.model_config.vocab_size))
+
+        def masks():  # built on the host while the device runs the forward
+            spec.host_drafts()  # where a grammar reads its row's drafts (spec.prepare)
+            groups = [(r.grammar, [], self._ban(r)) for r in sampled[:len(sampled) - len(step.decodes) * spec.q_len]]
+            # A verify row's mask rows: one, then one a draft; only a grammar reads the drafts themselves.
+            groups += [(r.grammar, r.draft_token_ids if r.grammar is not None else [0] * spec.k, self._ban(r))
+                       for r in step.decodes]
+            return step_bitmask(groups, self.model_config.vocab_size)
+
+        results = spec.run(step, batch, sampled, masks)
         for req, n in step.extends:
             req.num_computed += n
         for res in results[len(results) - len(step.decodes):]:

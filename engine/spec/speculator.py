@@ -28,10 +28,10 @@ drafts in one replay of the drafter's graph for it, greedy or stochastic (draft_
 The verdict (each row's accepted count and tokens) comes back in one device-to-host copy, issued before
 the draft is launched, so the host commits the step and builds the next while the device drafts. A
 model drafter's drafts stay on the device and feed the next step's verify rows from there
-(``build_forward_batch``'s ``drafts``), unless the host needs them first (``prepare``: a grammar's mask
-or penalties read them, or a drafting row is missing from the next step); those steps wait for the
-draft, counted in ``drafts_read_back``. Logprobs, when asked for, come back in two more copies, after
-the draft.
+(``build_forward_batch``'s ``drafts``). Where a grammar's mask or penalties read them, they are copied
+to the host behind the draft and waited for once the next forward is launched; where a drafting row is
+missing from the next step, they are read back before it is built (``prepare``). Such steps are counted
+in ``drafts_read_back``. Logprobs, when asked for, come back in two more copies, after the draft.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ class Speculator:
         self._offsets = torch.arange(1, self.k + 1, device=runner.device)[:, None]  # [k, 1]: draft steps ahead
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of a stochastic model draft
         self._last_drafts: _Drafted | None = None  # the last step's model drafts, on the device
-        self.drafts_read_back = 0  # steps that read a model draft to the host before launching (prepare)
+        # This step's drafts on their way to the host, and its rows fed them (request, row): host_drafts
+        self._drafts_copy: tuple[Readback, list[tuple[Request, int]]] | None = None
+        self.drafts_read_back = 0  # steps that read a model draft to the host (prepare)
         self.drafted = 0
         self.accepted = 0
         self.verify_rows = 0
@@ -111,14 +113,16 @@ class Speculator:
 
     def prepare(self, step: ScheduledStep) -> DeviceDrafts | None:
         """Drafts for this step's verify rows: a model drafter's, made by the step before, stay on the
-        device and are returned for ``build_forward_batch`` to feed, unless a grammar's mask or
-        penalties in this step read drafts or a drafting row is not in it (then every drafting row's
-        are read to the host, waiting for the draft); host drafters propose here. A row no drafter has
-        drafted for (it cannot happen in steady state) repeats its last token, which is simply
+        device and are returned for ``build_forward_batch`` to feed, unless a drafting row is left out
+        of this step (then every drafting row's are read to the host now, waiting for the draft); where
+        a grammar's mask or penalties read them, a copy to the host starts behind the draft, waited for
+        by ``host_drafts`` once the forward is launched. Host drafters propose here. A row no drafter
+        has drafted for (it cannot happen in steady state) repeats its last token, which is simply
         rejected. A request that opted out (``SamplingParams.speculative=False``) keeps the verify
         row's shape with placeholder drafts that ``run`` caps at zero accepted."""
         drafted, self._last_drafts = self._last_drafts, None
-        if drafted is not None and _drafts_on_host(step, drafted):
+        self._drafts_copy = None
+        if drafted is not None and _left_out(step, drafted):
             for req, drafts in zip(drafted.requests, drafted.drafts.tolist()):
                 req.draft_token_ids = drafts
             self.drafts_read_back += 1
@@ -134,7 +138,25 @@ class Speculator:
                 req.draft_token_ids = []  # a later step without them falls back to the placeholder
             elif len(req.draft_token_ids) != self.k:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
-        return DeviceDrafts(drafted.drafts, on_device) if on_device else None
+        if not on_device:
+            return None
+        if _reads_drafts(step):
+            fed = [(req, on_device[req.request_id]) for req in step.decodes if req.request_id in on_device]
+            self._drafts_copy = (Readback([drafted.drafts], behind=True), fed)
+            self.drafts_read_back += 1
+        return DeviceDrafts(drafted.drafts, on_device)
+
+    def host_drafts(self) -> None:
+        """The drafts of this step's rows fed from the device, on the host (``Request.draft_token_ids``)
+        where ``prepare`` found that a grammar's mask or penalties read them: called once the step's
+        forward is launched, it waits for the draft of the step before, not for the forward."""
+        if self._drafts_copy is None:
+            return
+        copy, fed = self._drafts_copy
+        self._drafts_copy = None
+        drafts = copy.lists()[0]
+        for req, row in fed:
+            req.draft_token_ids = drafts[row]
 
     def forget(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
@@ -170,6 +192,7 @@ class Speculator:
                 plain_tokens = choice[:n_plain]
                 spec = verify_greedy(choice[n_plain:].view(rows, q_len), drafts, caps)
             else:
+                self.host_drafts()  # penalties read the drafts
                 t = self._target_tensors(sampled, n_plain, step.decodes, device)
                 probs = processed_probs(logits, t)  # [N, V]
                 plain_tokens = (verify(probs[:n_plain, None], drafts.new_zeros(n_plain, 0), None, t.seeds[:n_plain],
@@ -393,13 +416,15 @@ class _Drafted:
     rows: dict[str, int]  # request id -> its row
 
 
-def _drafts_on_host(step: ScheduledStep, drafted: _Drafted) -> bool:
-    """Whether ``step`` needs the drafts of ``drafted`` on the host: a verify row's grammar mask or
-    penalties read its drafts, or a drafting row that has not finished is not one of its verify rows
-    (its drafts must outlive the buffer that holds them)."""
+def _left_out(step: ScheduledStep, drafted: _Drafted) -> bool:
+    """Whether a row of ``drafted`` that has not finished is not one of ``step``'s verify rows (its
+    drafts, on the host, wait for its next verify step)."""
     scheduled = {req.request_id for req in step.decodes}
-    if any(not req.finished and req.request_id not in scheduled for req in drafted.requests):
-        return True
+    return any(not req.finished and req.request_id not in scheduled for req in drafted.requests)
+
+
+def _reads_drafts(step: ScheduledStep) -> bool:
+    """Whether a grammar's mask or penalties read the drafts of ``step``'s verify rows on the host."""
     return (any(req.grammar is not None for req in step.decodes)
             or needs_token_history([req.params for req in step.decodes] + [req.params for req, _ in step.extends]))
 

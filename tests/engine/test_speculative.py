@@ -127,14 +127,15 @@ def _mtp_run(arrivals, params, **options) -> tuple[dict, dict]:
 
 def test_drafts_fed_from_the_device_are_the_drafts_read_back(monkeypatch):
     """A model drafter's drafts stay on the device and feed the next step's verify rows; a run that
-    reads every step's drafts to the host first (the rule replaced) must accept the same drafts, token
-    for token and count for count, greedy and seeded sampled rows alike. Garbage fed from the device
-    would only be rejected (the tokens would still match): the accepted counts tell."""
+    reads every step's drafts to the host first (as if every row were left out of its next step) must
+    accept the same drafts, token for token and count for count, greedy and seeded sampled rows alike.
+    Garbage fed from the device would only be rejected (the tokens would still match): the accepted
+    counts tell."""
     sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
     params = [GREEDY, sampled, GREEDY, sampled]
     arrivals, options = WORKLOADS["mixed"]["arrivals"], WORKLOADS["mixed"]["options"]
     on_device, device_stats = _mtp_run(arrivals, params, **options)
-    monkeypatch.setattr(speculator, "_drafts_on_host", lambda step, drafted: True)
+    monkeypatch.setattr(speculator, "_left_out", lambda step, drafted: True)
     on_host, host_stats = _mtp_run(arrivals, params, **options)
     assert device_stats["drafts_read_back"] == 0, device_stats
     assert host_stats["drafts_read_back"] > 0, host_stats
