@@ -127,14 +127,15 @@ class Speculator:
                 req.draft_token_ids = drafts
             self.drafts_read_back += 1
             drafted = None
+        rows = {req.request_id: i for i, req in enumerate(drafted.requests)} if drafted is not None else {}
         on_device: dict[str, int] = {}
         for req in step.decodes:
             if req.params.speculative is False:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
             elif self.host_drafter is not None:
                 req.draft_token_ids = self.host_drafter.propose(req)
-            elif drafted is not None and req.request_id in drafted.rows:
-                on_device[req.request_id] = drafted.rows[req.request_id]
+            elif req.request_id in rows:
+                on_device[req.request_id] = rows[req.request_id]
                 req.draft_token_ids = []  # a later step without them falls back to the placeholder
             elif len(req.draft_token_ids) != self.k:
                 req.draft_token_ids = [req.token_ids[-1]] * self.k
@@ -208,8 +209,7 @@ class Speculator:
             if drafting:
                 # A copy: a draft graph's output lies in the graphs' memory pool, which the next step's
                 # target replay may write over (draft_graphs.py captures after the target's graphs).
-                self._last_drafts = _Drafted(drafts.clone(), drafting,
-                                             {req.request_id: i for i, req in enumerate(drafting)})
+                self._last_drafts = _Drafted(drafts.clone(), drafting)
         host = verdict.lists()[0]
         plain_host, host = host[:n_plain], host[n_plain:]
         accepted, host = host[:rows], host[rows:]
@@ -413,7 +413,6 @@ class _Drafted:
 
     drafts: torch.Tensor  # [D, k], row i the drafts of requests[i]
     requests: list[Request]  # the drafting rows
-    rows: dict[str, int]  # request id -> its row
 
 
 def _left_out(step: ScheduledStep, drafted: _Drafted) -> bool:
